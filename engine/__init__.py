@@ -1,0 +1,1 @@
+"""zero: ZeRO distributed training for PyTorch."""
