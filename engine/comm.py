@@ -1,0 +1,163 @@
+"""Every collective zero issues, and the ledger that counts them.
+
+This is the only module that calls torch.distributed collectives. Each call records how many
+elements and bytes it moved per rank, in the paper's units (ZeRO, section 7): a reduce-scatter of
+a buffer of n elements counts n, an all-gather into a buffer of n elements counts n, and an
+all-reduce of n elements counts 2n (it is a reduce-scatter followed by an all-gather). Summed over
+one optimizer step this gives 2 Psi for stages 0-2.
+
+A Communicator with world size 1 performs the same operations locally (copies) without any
+process group, so single-process runs take exactly the code path of multi-rank runs.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class OpTotals:
+    """Totals for one collective kind: calls, elements (paper units) and bytes per rank."""
+
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CommLedger:
+    """Per-step counters of collective traffic. `last_step` holds the previous optimizer step."""
+
+    current: dict[str, OpTotals] = field(default_factory=dict)
+    last_step: dict[str, OpTotals] = field(default_factory=dict)
+
+    def record(self, op: str, elements: int, element_size: int) -> None:
+        totals = self.current.setdefault(op, OpTotals())
+        totals.calls += 1
+        totals.elements += elements
+        totals.bytes += elements * element_size
+
+    def end_step(self) -> None:
+        """Close the optimizer step: its totals move to `last_step`, counting restarts at 0."""
+        self.last_step, self.current = self.current, {}
+
+
+class Handle:
+    """The pair of an asynchronous collective: `wait()` finishes it (idempotent)."""
+
+    def __init__(self, work=None):
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+class Communicator:
+    """Collectives over one data-parallel group, with traffic counting.
+
+    Every method is a collective: all ranks of the group must call it in the same order with
+    tensors of the same size and dtype. `group` None with world_size 1 means no process group.
+    """
+
+    def __init__(self, group, rank: int, world_size: int):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.ledger = CommLedger()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+        """Sum (op "sum") or maximum (op "max") of `tensor` over the group, in place."""
+        self.ledger.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
+        if self.world_size == 1:
+            return Handle()
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        return Handle(dist.all_reduce(tensor, reduce_op, group=self.group, async_op=async_op))
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Handle:
+        """Sum `input` (world_size * n elements) over ranks; rank r receives slice r in `output`.
+
+        `output` must hold n = input.numel() / world_size elements of input's dtype.
+        """
+        assert input.numel() == output.numel() * self.world_size, (input.shape, output.shape)
+        self.ledger.record("reduce_scatter", input.numel(), input.element_size())
+        if self.world_size == 1:
+            output.copy_(input)
+            return Handle()
+        return Handle(
+            dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        """Concatenate every rank's `input` (n elements) into `output` (world_size * n), rank-major.
+
+        `input` may be rank r's own slice of `output` (in-place gather, no extra buffer).
+        """
+        assert output.numel() == input.numel() * self.world_size, (output.shape, input.shape)
+        self.ledger.record("all_gather", output.numel(), output.element_size())
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle()
+        return Handle(dist.all_gather_single(output, input, group=self.group, async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Copy `tensor` from group rank `src` to every rank, in place."""
+        self.ledger.record("broadcast", tensor.numel(), tensor.element_size())
+        if self.world_size > 1:
+            dist.broadcast(tensor, group_src=src, group=self.group)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Rank layout read from the launcher's environment (torchrun's variable names)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def read_launch_env() -> LaunchEnv | None:
+    """Read RANK, LOCAL_RANK and WORLD_SIZE; None when not started by a launcher.
+
+    Raises ValueError naming the variable when one is set but malformed or inconsistent.
+    """
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        return None
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        raw = os.environ.get(name, "0" if name == "LOCAL_RANK" else None)
+        if raw is None:
+            raise ValueError(f"environment variable {name} is not set but RANK/WORLD_SIZE are")
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
+        raise ValueError(f"RANK={values['RANK']} is outside 0..WORLD_SIZE-1={values['WORLD_SIZE'] - 1}")
+    return LaunchEnv(values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"])
+
+
+def init_process_group(backend: str, env: LaunchEnv) -> None:
+    """Initialize the default process group from MASTER_ADDR/MASTER_PORT (env:// rendezvous).
+
+    Every rank must call it. Does nothing when a default group already exists.
+    """
+    if dist.is_initialized():
+        return
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise ValueError(
+                f"environment variable {name} is not set; start the job with zrun or torchrun, "
+                "or set MASTER_ADDR and MASTER_PORT"
+            )
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)

@@ -1,0 +1,1056 @@
+"""Configuration schema and loader: DeepSpeed-compatible JSON / hjson / YAML files -> ``Config``.
+
+A user's DeepSpeed config file loads unchanged with the same meaning: every block is one
+pydantic model whose field names are DeepSpeed's key names, defaults follow DeepSpeed
+(0.16-0.19 source), unknown keys at any level are errors with a "did you mean" hint, and
+cross-field rules are checked once, when the config is built, never mid-training.
+
+Units: like DeepSpeed, every bucket size, prefetch size and persistence threshold in
+``zero_optimization`` counts ELEMENTS (numbers of parameter values), not bytes. The only
+byte-sized key is ``aio.block_size``.
+
+Loading (``load_config``) runs these steps, in order:
+  1. read the source (path to .json/.hjson/.yaml/.yml, a mapping, or an existing ``Config``);
+  2. map deprecated DeepSpeed names to their current ones (each with a ``FutureWarning``);
+  3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs);
+  4. validate against the schema (one ``ConfigError`` naming the dotted key on failure);
+  5. derive the batch triple for the data-parallel world size;
+  6. warn once per accepted-but-unsupported block (amp, pipeline, ...).
+
+The result is immutable: models are frozen, free-form dicts (optimizer and scheduler params)
+are read-only mappings and lists are tuples.
+"""
+
+import functools
+import json
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Annotated, Any, Literal
+
+import hjson
+import torch
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+from .errors import did_you_mean
+
+__all__ = [
+    "ConfigError",
+    "Config",
+    "load_config",
+    "ZeroConfig",
+    "FP16Config",
+    "BF16Config",
+    "DataTypesConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "ActivationCheckpointingConfig",
+    "CommsLoggerConfig",
+    "FlopsProfilerConfig",
+    "MonitorConfig",
+    "WandbConfig",
+    "CheckpointConfig",
+    "AioConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A problem with user-supplied configuration.
+
+    The message names the dotted key (e.g. ``zero_optimization.reduce_bucket_size``), the bad
+    value and how to fix it, and starts with the file name when the config came from a file.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Value types
+# ---------------------------------------------------------------------------------------------
+
+
+def _to_whole(value: Any, *, minimum: int, what: str) -> int:
+    """Coerce JSON numbers such as 5e8 (a float) or YAML's "5e8" (a string) to an int."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected {what}")
+    if isinstance(value, str):
+        # YAML 1.1 reads 5e8 (no dot) as a string; accept it like JSON does.
+        text = value.strip()
+        try:
+            value = int(text) if text.lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            raise ValueError(f"expected {what}, not a string") from None
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"expected {what}; {value} is not a whole number")
+        value = int(value)
+    if value < minimum:
+        bound = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"must be {bound} ({what})")
+    return value
+
+
+def _whole(minimum: int, what: str) -> Any:
+    return Annotated[int, BeforeValidator(functools.partial(_to_whole, minimum=minimum, what=what))]
+
+
+_ELEMENTS = "a whole number of elements; DeepSpeed sizes count elements, not bytes"
+Elements = _whole(1, _ELEMENTS)
+ElementsOrZero = _whole(0, _ELEMENTS)
+Count = _whole(1, "a whole number")
+CountOrZero = _whole(0, "a whole number")
+Bytes = _whole(1, "a whole number of bytes")
+
+
+def _to_stage(value: Any) -> int:
+    stage = _to_whole(value, minimum=0, what="a ZeRO stage 0, 1, 2 or 3")
+    if stage > 3:
+        raise ValueError(
+            "ZeRO stage must be one of 0, 1, 2, 3 (0: plain data parallel, 1: shard optimizer "
+            "states, 2: also gradients, 3: also parameters)"
+        )
+    return stage
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+# A free-form, read-only dict (validated elsewhere, e.g. by the optimizer registry).
+FrozenDict = Annotated[Mapping[str, Any], AfterValidator(_freeze), PlainSerializer(_thaw)]
+
+
+def _lower(value: Any) -> Any:
+    if value is None:
+        return "none"
+    return value.lower() if isinstance(value, str) else value
+
+
+OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_lower)]
+HalfOrFull = Literal["fp32", "fp16", "bf16"]
+
+
+def _cross(message: str) -> PydanticCustomError:
+    """A cross-field rule violation; the message already names every dotted key involved."""
+    return PydanticCustomError("cross_field", message)
+
+
+class _Block(BaseModel):
+    """Base of every config block: immutable, unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------
+
+
+class OptimizerConfig(_Block):
+    """DeepSpeed ``optimizer``: registry name plus constructor params.
+
+    DeepSpeed's ``"Adam"`` means AdamW (decoupled weight decay) unless ``params.adam_w_mode``
+    is false; ``params`` is checked by the optimizer registry, not here.
+    """
+
+    type: str = Field(
+        description="Optimizer name (DeepSpeed optimizer.type): Adam, AdamW, SGD, Lamb, ..., "
+        "else a torch.optim class name."
+    )
+    params: FrozenDict = Field(
+        default_factory=dict,
+        description="Keyword arguments of the optimizer (lr, betas, eps, weight_decay, ...).",
+    )
+    legacy_fusion: bool = Field(
+        False, description="DeepSpeed optimizer.legacy_fusion; accepted for compatibility."
+    )
+
+
+class SchedulerConfig(_Block):
+    """DeepSpeed ``scheduler``: registry name plus params, checked by the scheduler registry."""
+
+    type: str = Field(
+        description="Scheduler name (DeepSpeed scheduler.type): WarmupLR, WarmupDecayLR, "
+        "WarmupCosineLR, OneCycle, LRRangeTest."
+    )
+    params: FrozenDict = Field(
+        default_factory=dict, description="Keyword arguments of the scheduler."
+    )
+
+
+class FP16Config(_Block):
+    """DeepSpeed ``fp16``: float16 compute with loss scaling."""
+
+    enabled: bool = Field(False, description="Train in float16 with loss scaling.")
+    auto_cast: bool = Field(False, description="Cast floating-point inputs to float16.")
+    loss_scale: float = Field(
+        0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling."
+    )
+    initial_scale_power: CountOrZero = Field(
+        16, description="Dynamic scaling starts at 2**initial_scale_power."
+    )
+    loss_scale_window: Count = Field(
+        1000, description="Overflow-free steps before the dynamic scale is doubled."
+    )
+    hysteresis: Count = Field(
+        2, description="Overflows tolerated before the dynamic scale is halved."
+    )
+    consecutive_hysteresis: bool = Field(
+        False, description="Refill hysteresis after every overflow-free step."
+    )
+    min_loss_scale: float = Field(1.0, gt=0, description="Lower bound of the dynamic scale.")
+    fp16_master_weights_and_grads: bool = Field(
+        False, description="Keep master weights and gradients in float16 (needs fp16.enabled)."
+    )
+
+
+class BF16Config(_Block):
+    """DeepSpeed ``bf16`` (old name ``bfloat16``): bfloat16 compute, no loss scaling."""
+
+    enabled: bool = Field(False, description="Train in bfloat16.")
+    immediate_grad_update: bool = Field(
+        False, description="Apply each gradient to the fp32 accumulator as soon as it is ready."
+    )
+
+
+class DataTypesConfig(_Block):
+    """DeepSpeed ``data_types``."""
+
+    grad_accum_dtype: HalfOrFull | None = Field(
+        None,
+        description="Data type of gradient accumulation across micro-batches; null means fp32.",
+    )
+
+
+class OffloadOptimizerConfig(_Block):
+    """DeepSpeed ``zero_optimization.offload_optimizer`` (ZeRO-Offload / ZeRO-Infinity)."""
+
+    device: OffloadDevice = Field(
+        "none", description="Where optimizer states live: none (accelerator), cpu or nvme."
+    )
+    nvme_path: str | None = Field(None, description="Directory for nvme offload files.")
+    buffer_count: Count = Field(4, description="Number of I/O buffers for nvme offload.")
+    pin_memory: bool = Field(False, description="Use page-locked CPU memory.")
+    pipeline_read: bool = Field(False, description="Overlap nvme reads with compute.")
+    pipeline_write: bool = Field(False, description="Overlap nvme writes with compute.")
+    fast_init: bool = Field(False, description="Fast optimizer initialization on nvme.")
+    ratio: float = Field(
+        1.0, gt=0, le=1, description="Fraction of optimizer states offloaded (0 < ratio <= 1)."
+    )
+
+
+class OffloadParamConfig(_Block):
+    """DeepSpeed ``zero_optimization.offload_param`` (stage 3 only). Sizes are in elements."""
+
+    device: OffloadDevice = Field(
+        "none", description="Where parameter shards live: none (accelerator), cpu or nvme."
+    )
+    nvme_path: str | None = Field(None, description="Directory for nvme offload files.")
+    buffer_count: Count = Field(5, description="Number of buffers for nvme parameter reads.")
+    buffer_size: Elements = Field(
+        100_000_000, description="Size of each nvme parameter buffer, in elements."
+    )
+    max_in_cpu: ElementsOrZero = Field(
+        1_000_000_000, description="Elements kept in CPU memory when offloading to nvme."
+    )
+    pin_memory: bool = Field(False, description="Use page-locked CPU memory.")
+
+
+class ZeroConfig(_Block):
+    """DeepSpeed ``zero_optimization``. Every size here counts elements, not bytes.
+
+    ``overlap_comm`` is resolved at load time: true for stage 3, false otherwise, unless given.
+    """
+
+    stage: Annotated[int, BeforeValidator(_to_stage)] = Field(
+        0, description="ZeRO stage: 0 data parallel, 1 optimizer states, 2 +gradients, 3 +params."
+    )
+    contiguous_gradients: bool = Field(
+        True, description="Copy gradients into a contiguous buffer as they are produced."
+    )
+    reduce_scatter: bool = Field(
+        True, description="Average gradients with reduce-scatter instead of all-reduce."
+    )
+    reduce_bucket_size: Elements = Field(
+        500_000_000, description="Elements reduced at once (gradient bucket size)."
+    )
+    allgather_partitions: bool = Field(
+        True, description="All-gather updated partitions instead of broadcasting them."
+    )
+    allgather_bucket_size: Elements = Field(
+        500_000_000, description="Elements all-gathered at once after the optimizer step."
+    )
+    overlap_comm: bool | None = Field(
+        None,
+        validate_default=True,
+        description="Overlap gradient reduction with backward; default: true for stage 3.",
+    )
+    load_from_fp32_weights: bool = Field(
+        True, description="Restore fp32 master weights from the checkpoint, not from 16-bit ones."
+    )
+    elastic_checkpoint: bool = Field(
+        False, description="Allow loading optimizer checkpoints saved with another world size."
+    )
+    offload_optimizer: OffloadOptimizerConfig | None = Field(
+        None, description="Optimizer-state offload (ZeRO-Offload); stages 1-3."
+    )
+    offload_param: OffloadParamConfig | None = Field(
+        None, description="Parameter offload (ZeRO-Infinity); stage 3 only."
+    )
+    sub_group_size: Elements = Field(
+        1_000_000_000, description="Elements per optimizer sub-group step (stage 3)."
+    )
+    stage3_prefetch_bucket_size: ElementsOrZero = Field(
+        50_000_000, description="Elements of parameters prefetched ahead of use; 0 disables."
+    )
+    stage3_param_persistence_threshold: ElementsOrZero = Field(
+        100_000, description="Parameters with fewer elements stay unpartitioned."
+    )
+    stage3_model_persistence_threshold: ElementsOrZero = Field(
+        sys.maxsize, description="Cap on total elements of persistent parameters (unlimited)."
+    )
+    stage3_max_live_parameters: ElementsOrZero = Field(
+        1_000_000_000, description="Max elements of gathered parameters alive at once."
+    )
+    stage3_max_reuse_distance: ElementsOrZero = Field(
+        1_000_000_000,
+        description="Keep a parameter gathered if it is reused within this many elements.",
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="Gather full 16-bit weights when the model is saved."
+    )
+    stage3_module_granularity_threshold: ElementsOrZero = Field(
+        0, description="Modules below this many elements are fetched as one unit; 0 disables."
+    )
+    stage3_module_classes: tuple[str, ...] | None = Field(
+        None,
+        description="zero's own override: module class names used as stage-3 fetch units.",
+    )
+    ignore_unused_parameters: bool = Field(
+        True, description="Do not fail when some parameters get no gradient."
+    )
+    round_robin_gradients: bool = Field(
+        False, description="Round-robin gradient copies across ranks (offload)."
+    )
+    zero_hpz_partition_size: Count = Field(
+        1, description="ZeRO++ hierarchical partition size (secondary parameter shards)."
+    )
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ quantized weight all-gather.")
+    zero_quantized_nontrainable_weights: bool = Field(
+        False, description="ZeRO++ keep non-trainable weights quantized."
+    )
+    zero_quantized_gradients: bool = Field(
+        False, description="ZeRO++ quantized gradient reduce-scatter."
+    )
+    mics_shard_size: _whole(-1, "a number of ranks, or -1") = Field(
+        -1, description="MiCS shard group size; -1 disables MiCS."
+    )
+    mics_hierarchical_params_gather: bool = Field(
+        False, description="MiCS hierarchical all-gather."
+    )
+
+    @field_validator("overlap_comm", mode="after")
+    @classmethod
+    def _default_overlap(cls, value: bool | None, info: ValidationInfo) -> bool:
+        # DeepSpeed's default depends on the stage: stage 3 always wants prefetch overlap.
+        if value is None:
+            return info.data.get("stage") == 3
+        return value
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> "ZeroConfig":
+        opt, par = self.offload_optimizer, self.offload_param
+        if par is not None and par.device != "none" and self.stage != 3:
+            raise _cross(
+                f"zero_optimization.offload_param.device '{par.device}' needs "
+                f"zero_optimization.stage 3 (got {self.stage}); set stage 3 or remove it."
+            )
+        if opt is not None and opt.device != "none" and self.stage == 0:
+            raise _cross(
+                f"zero_optimization.offload_optimizer.device '{opt.device}' needs "
+                "zero_optimization.stage 1, 2 or 3 (got 0)."
+            )
+        if opt is not None and opt.device == "nvme" and self.stage != 3:
+            raise _cross(
+                "zero_optimization.offload_optimizer.device 'nvme' needs zero_optimization.stage 3 "
+                f"(got {self.stage}); use device 'cpu' for stages 1-2."
+            )
+        for name, block in (("offload_optimizer", opt), ("offload_param", par)):
+            if block is not None and block.device == "nvme" and not block.nvme_path:
+                raise _cross(
+                    f"zero_optimization.{name}.device is 'nvme' but "
+                    f"zero_optimization.{name}.nvme_path is not set; give a directory."
+                )
+        return self
+
+
+class ActivationCheckpointingConfig(_Block):
+    """DeepSpeed ``activation_checkpointing`` (ZeRO-R: Pa, Pa+cpu, MD)."""
+
+    partition_activations: bool = Field(
+        False, description="Partition checkpointed activations across model-parallel ranks (Pa)."
+    )
+    cpu_checkpointing: bool = Field(
+        False, description="Offload partitioned activation checkpoints to CPU (Pa+cpu)."
+    )
+    contiguous_memory_optimization: bool = Field(
+        False, description="Copy checkpoints into a pre-allocated contiguous buffer (MD)."
+    )
+    number_checkpoints: Count | None = Field(
+        None, description="Number of checkpoints, sizes the contiguous buffer."
+    )
+    synchronize_checkpoint_boundary: bool = Field(
+        False, description="Synchronize the device at each checkpoint boundary."
+    )
+    profile: bool = Field(False, description="Time checkpoint forward and recompute.")
+
+
+class CommsLoggerConfig(_Block):
+    """DeepSpeed ``comms_logger``: per-collective counts, sizes and times."""
+
+    enabled: bool = Field(False, description="Log collectives.")
+    verbose: bool = Field(False, description="Print every collective as it happens.")
+    prof_all: bool = Field(True, description="Profile every collective.")
+    debug: bool = Field(False, description="Add the caller's name to each record.")
+    prof_ops: tuple[str, ...] = Field(
+        (), description="Collective names to profile when prof_all is false."
+    )
+
+
+class FlopsProfilerConfig(_Block):
+    """DeepSpeed ``flops_profiler``."""
+
+    enabled: bool = Field(False, description="Profile FLOPs, latency and parameters.")
+    recompute_fwd_factor: float = Field(
+        0.0, ge=0, description="Extra forward passes due to activation recomputation."
+    )
+    profile_step: Count = Field(1, description="Training step to profile.")
+    module_depth: _whole(-1, "a depth, or -1 for all") = Field(
+        -1, description="Depth of the per-module report; -1 means all."
+    )
+    top_modules: Count = Field(1, description="Number of top modules listed.")
+    detailed: bool = Field(True, description="Print the per-module breakdown.")
+    output_file: str | None = Field(None, description="Write the report here (default stdout).")
+
+
+class MonitorConfig(_Block):
+    """DeepSpeed ``tensorboard`` / ``csv_monitor``: where scalar logs are written."""
+
+    enabled: bool = Field(False, description="Write this monitor's logs.")
+    output_path: str = Field("", description="Output directory ('' = current directory).")
+    job_name: str = Field("zero_job", description="Sub-directory / run name.")
+
+
+class WandbConfig(_Block):
+    """DeepSpeed ``wandb``."""
+
+    enabled: bool = Field(False, description="Log to Weights & Biases.")
+    project: str = Field("zero", description="W&B project.")
+    team: str | None = Field(None, description="W&B team (entity).")
+    group: str | None = Field(None, description="W&B run group.")
+    output_path: str = Field("", description="Local directory for W&B files.")
+    job_name: str | None = Field(None, description="W&B run name.")
+
+
+def _capitalize(value: Any) -> Any:
+    return value.capitalize() if isinstance(value, str) else value
+
+
+class CheckpointConfig(_Block):
+    """DeepSpeed ``checkpoint``."""
+
+    tag_validation: Annotated[Literal["Warn", "Ignore", "Fail"], BeforeValidator(_capitalize)] = (
+        Field("Warn", description="Check that all ranks save the same tag: Warn, Ignore or Fail.")
+    )
+    load_universal: bool = Field(False, description="Load a universal (resharded) checkpoint.")
+    use_node_local_storage: bool = Field(
+        False, description="Each node writes to its own local storage."
+    )
+
+
+class AioConfig(_Block):
+    """DeepSpeed ``aio``: asynchronous I/O for nvme offload. ``block_size`` is in bytes."""
+
+    block_size: Bytes = Field(1_048_576, description="I/O block size in bytes.")
+    queue_depth: Count = Field(8, description="I/O queue depth.")
+    intra_op_parallelism: Count = Field(1, description="I/O threads per operation.")
+    single_submit: bool = Field(False, description="Submit requests one at a time.")
+    overlap_events: bool = Field(True, description="Overlap submission and completion.")
+    use_gds: bool = Field(False, description="Use GPUDirect Storage.")
+
+
+# Blocks of DeepSpeed subsystems zero does not implement: accepted as free dicts so existing
+# files load, with one warning when a block says "enabled": true.
+UNSUPPORTED_BLOCKS = (
+    "amp",
+    "elasticity",
+    "autotuning",
+    "compression_training",
+    "data_efficiency",
+    "pipeline",
+    "sparse_attention",
+    "curriculum_learning",
+    "progressive_layer_drop",
+    "eigenvalue",
+    "hybrid_engine",
+    "compile",
+)
+
+_UNSUPPORTED_DESCRIPTION = "DeepSpeed subsystem not supported by zero; accepted and ignored."
+
+
+class Config(_Block):
+    """The whole validated, immutable training configuration (DeepSpeed key names).
+
+    Build it with ``load_config``; after that the three batch keys are ints satisfying
+    ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+    world_size``. Read blocks as attributes, e.g. ``config.zero.stage``.
+    """
+
+    train_batch_size: Count | None = Field(
+        None, description="Global batch per optimizer step = micro * gas * world size."
+    )
+    train_micro_batch_size_per_gpu: Count | None = Field(
+        None, description="Samples per rank per forward/backward (micro-batch)."
+    )
+    gradient_accumulation_steps: Count | None = Field(
+        None, description="Micro-batches accumulated before each optimizer step."
+    )
+    gradient_clipping: float = Field(
+        1.0, ge=0, description="Clip the global gradient L2 norm to this value; 0 disables."
+    )
+    steps_per_print: Count = Field(10, description="Log progress every this many steps.")
+    wall_clock_breakdown: bool = Field(
+        False, description="Time forward, backward and step separately."
+    )
+    memory_breakdown: bool = Field(False, description="Log memory use at each phase.")
+    prescale_gradients: bool = Field(
+        False, description="Divide gradients by the world size before reduction, not after."
+    )
+    gradient_predivide_factor: float = Field(
+        1.0, gt=0, description="Divide gradients by this before reduction, the rest after."
+    )
+    communication_data_type: HalfOrFull | None = Field(
+        None, description="Data type of gradient reduction; null follows the compute dtype."
+    )
+    sparse_gradients: bool = Field(False, description="Reduce embedding gradients as sparse.")
+    dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")
+    zero_allow_untested_optimizer: bool = Field(
+        False, description="Allow client optimizers not tested with ZeRO."
+    )
+    zero_force_ds_cpu_optimizer: bool = Field(
+        True, description="With CPU offload, require the native CPU Adam."
+    )
+    optimizer: OptimizerConfig | None = Field(
+        None, description="Optimizer type and params; absent when the client passes one."
+    )
+    scheduler: SchedulerConfig | None = Field(
+        None, description="LR scheduler type and params; optional."
+    )
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 training.")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 training.")
+    data_types: DataTypesConfig = Field(
+        default_factory=DataTypesConfig, description="Gradient accumulation data type."
+    )
+    zero_optimization: ZeroConfig = Field(
+        default_factory=ZeroConfig, description="ZeRO stage and its buckets, offload, stage 3."
+    )
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig, description="ZeRO-R activation settings."
+    )
+    comms_logger: CommsLoggerConfig = Field(
+        default_factory=CommsLoggerConfig, description="Collective communication log."
+    )
+    flops_profiler: FlopsProfilerConfig = Field(
+        default_factory=FlopsProfilerConfig, description="FLOPs profiler."
+    )
+    tensorboard: MonitorConfig = Field(
+        default_factory=MonitorConfig, description="TensorBoard scalar logs."
+    )
+    csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="CSV logs.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logs.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoint save/load options."
+    )
+    aio: AioConfig = Field(default_factory=AioConfig, description="Async I/O for nvme offload.")
+    amp: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    elasticity: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    autotuning: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    compression_training: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    data_efficiency: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    pipeline: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    sparse_attention: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    curriculum_learning: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    progressive_layer_drop: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    eigenvalue: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    hybrid_engine: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    compile: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+
+    # The mapping this config was validated from (after deprecated names and "auto" were
+    # resolved, before batch derivation), so it can be re-validated for another world size.
+    _source: Mapping[str, Any] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _check_precision(self) -> "Config":
+        if self.fp16.enabled and self.bf16.enabled:
+            raise _cross(
+                "fp16.enabled and bf16.enabled are both true; enable at most one "
+                "(fp16 uses loss scaling, bf16 does not)."
+            )
+        if self.fp16.fp16_master_weights_and_grads and not self.fp16.enabled:
+            raise _cross(
+                "fp16.fp16_master_weights_and_grads is true but fp16.enabled is false; "
+                "enable fp16 or remove the key."
+            )
+        accum = self.data_types.grad_accum_dtype
+        compute = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+        if accum not in (None, "fp32", compute):
+            raise _cross(
+                f"data_types.grad_accum_dtype '{accum}' does not fit {compute} training; "
+                f"use 'fp32' or '{compute}' (the compute dtype)."
+            )
+        return self
+
+    @property
+    def zero(self) -> ZeroConfig:
+        """The ``zero_optimization`` block, so code reads ``config.zero.stage``."""
+        return self.zero_optimization
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """torch.float16 with fp16.enabled, torch.bfloat16 with bf16.enabled, else float32."""
+        if self.fp16.enabled:
+            return torch.float16
+        if self.bf16.enabled:
+            return torch.bfloat16
+        return torch.float32
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype:
+        """torch dtype of ``data_types.grad_accum_dtype``; torch.float32 when unset."""
+        return _DTYPES[self.data_types.grad_accum_dtype or "fp32"]
+
+    @property
+    def loss_scaling_dynamic(self) -> bool:
+        """True when fp16 is enabled with ``loss_scale`` 0 (dynamic loss scaling)."""
+        return self.fp16.enabled and self.fp16.loss_scale == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as a JSON-serializable dict (checkpoint metadata, logs)."""
+        return self.model_dump(mode="json")
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_AUTO = "auto"
+# Hugging Face fills these "auto" sizes from the model's hidden size h.
+_FROM_HIDDEN_SIZE = {
+    "zero_optimization.reduce_bucket_size": lambda h: h * h,
+    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+_ZERO_PLUS_PLUS_DEFAULTS = {
+    "zero_hpz_partition_size": 1,
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False,
+    "mics_shard_size": -1,
+    "mics_hierarchical_params_gather": False,
+}
+
+
+def load_config(
+    source: "str | os.PathLike[str] | Mapping[str, Any] | Config",
+    *,
+    world_size: int = 1,
+    auto_values: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load, validate and resolve a DeepSpeed-style config.
+
+    Args:
+        source: path to a .json (read with hjson, so comments work), .hjson, .yaml or .yml file;
+            a mapping; or an existing ``Config``, which is re-validated for ``world_size``.
+        world_size: data-parallel world size used to derive the batch triple.
+        auto_values: values for ``"auto"`` entries, by dotted key (e.g.
+            ``{"train_micro_batch_size_per_gpu": 8, "optimizer.params.lr": 1e-3}``); a
+            ``"hidden_size"`` entry fills "auto" reduce_bucket_size (h*h),
+            stage3_prefetch_bucket_size (0.9*h*h) and stage3_param_persistence_threshold (10*h).
+
+    Returns:
+        An immutable ``Config`` whose three batch keys are ints.
+
+    Raises:
+        ConfigError: missing or unparsable file, unknown key, invalid value, broken cross-field
+            rule, unresolved "auto", or a batch triple that does not fit ``world_size``. The
+            message names the dotted key, the value and the fix (and the file, if any).
+
+    Warns:
+        FutureWarning for each deprecated DeepSpeed name; UserWarning for enabled blocks of
+        subsystems zero does not support and for ZeRO++/MiCS keys, which are not implemented.
+    """
+    if isinstance(source, Config):
+        where = "config: "
+        data = _thaw(source._source or source.model_dump(exclude_unset=True))
+    else:
+        where, data = _read_source(source)
+        data = _map_deprecated(data, where)
+        data = _resolve_auto(data, auto_values or {}, where)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r}.")
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, where)) from None
+    train, micro, gas = _derive_batch(
+        config.train_batch_size,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+        world_size,
+        where,
+    )
+    config = config.model_copy(
+        update={
+            "train_batch_size": train,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": gas,
+        }
+    )
+    config._source = _freeze(data)
+    if not isinstance(source, Config):  # the first load already warned
+        _warn_unsupported(config, where)
+    return config
+
+
+def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
+    """Return (message prefix, raw dict) for a path or mapping."""
+    if isinstance(source, Mapping):
+        return "config: ", _to_plain(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(
+            f"config source must be a path, a dict or a Config, got {type(source).__name__}."
+        )
+    path = Path(source)
+    where = f"config file '{path}': "
+    if not path.is_file():
+        raise ConfigError(f"{where}file not found; check the path.")
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err)
+            raise ConfigError(f"{where}YAML parse error{line}: {problem}.") from None
+    elif suffix in (".json", ".hjson"):
+        try:
+            data = hjson.loads(text)
+        except hjson.HjsonDecodeError as err:
+            raise ConfigError(
+                f"{where}parse error at line {err.lineno}, column {err.colno}: {err.msg}."
+            ) from None
+    else:
+        raise ConfigError(f"{where}unknown file type '{suffix}'; use .json, .hjson, .yaml or .yml.")
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{where}the top level must be a mapping of keys, got {type(data).__name__}."
+        )
+    return where, _to_plain(data)
+
+
+def _to_plain(value: Any) -> Any:
+    """Deep copy into plain dicts and lists (hjson returns OrderedDicts), never aliasing input."""
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _caller_stacklevel() -> int:
+    """Stack level of the first frame outside this module, so warnings point at user code."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"config key '{old}' is deprecated; use '{new}' instead.",
+        FutureWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+
+
+def _rename(block: dict[str, Any], old: str, new: str, prefix: str, where: str) -> None:
+    if old not in block:
+        return
+    _deprecated(prefix + old, prefix + new)
+    if new in block:
+        raise ConfigError(
+            f"{where}both '{prefix}{old}' (deprecated) and '{prefix}{new}' are given; "
+            f"keep only '{prefix}{new}'."
+        )
+    block[new] = block.pop(old)
+
+
+def _map_deprecated(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """Rewrite deprecated DeepSpeed names to current ones, warning for each (in place)."""
+    _rename(data, "bfloat16", "bf16", "", where)
+    zero = data.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return data
+    prefix = "zero_optimization."
+    _rename(
+        zero,
+        "stage3_gather_fp16_weights_on_model_save",
+        "stage3_gather_16bit_weights_on_model_save",
+        prefix,
+        where,
+    )
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if old not in zero:
+            continue
+        enabled = zero.pop(old)
+        _deprecated(prefix + old, f"{prefix}{new}.device = 'cpu'")
+        if not isinstance(enabled, bool):
+            raise ConfigError(
+                f"{where}invalid value for '{prefix}{old}': {_show(enabled)}. Expected true or "
+                f'false; better, write {prefix}{new}: {{"device": "cpu"}}.'
+            )
+        if enabled and new in zero:
+            raise ConfigError(
+                f"{where}both '{prefix}{old}' (deprecated) and '{prefix}{new}' are given; "
+                f"keep only '{prefix}{new}'."
+            )
+        if enabled:
+            zero[new] = {"device": "cpu"}
+    if "cpu_offload_use_pin_memory" in zero:
+        pin = zero.pop("cpu_offload_use_pin_memory")
+        _deprecated(
+            prefix + "cpu_offload_use_pin_memory",
+            f"{prefix}offload_optimizer.pin_memory and {prefix}offload_param.pin_memory",
+        )
+        for name in ("offload_optimizer", "offload_param"):
+            if isinstance(zero.get(name), dict):
+                zero[name].setdefault("pin_memory", pin)
+    return data
+
+
+def _resolve_auto(data: dict[str, Any], auto_values: Mapping[str, Any], where: str) -> dict:
+    """Replace "auto" values from ``auto_values``; fail on any left unresolved."""
+    hidden = auto_values.get("hidden_size")
+
+    def fill(node: Any, key: str) -> Any:
+        if isinstance(node, dict):
+            return {k: fill(v, f"{key}.{k}" if key else str(k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v, f"{key}.{i}") for i, v in enumerate(node)]
+        if not (isinstance(node, str) and node == _AUTO):
+            return node
+        if key in auto_values:
+            return auto_values[key]
+        if key in _FROM_HIDDEN_SIZE and hidden is not None:
+            return _FROM_HIDDEN_SIZE[key](int(hidden))
+        return node
+
+    data = fill(data, "")
+    # An "auto" batch key that the concrete ones determine is the same as an absent key.
+    if any(k in data and data[k] != _AUTO for k in _BATCH_KEYS):
+        for key in _BATCH_KEYS:
+            if data.get(key) == _AUTO:
+                del data[key]
+    left = _auto_keys(data, "")
+    if left:
+        keys = ", ".join(f"'{k}'" for k in left)
+        raise ConfigError(
+            f'{where}{keys} {"is" if len(left) == 1 else "are"} "auto" but no value was given. '
+            'Pass the value to zero.initialize (it fills "auto" entries) or write it in the config.'
+        )
+    return data
+
+
+def _auto_keys(node: Any, key: str) -> list[str]:
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return [key] if isinstance(node, str) and node == _AUTO else []
+    found: list[str] = []
+    for k, v in items:
+        found += _auto_keys(v, f"{key}.{k}" if key else str(k))
+    return found
+
+
+def _derive_batch(
+    train: int | None, micro: int | None, gas: int | None, world_size: int, where: str
+) -> tuple[int, int, int]:
+    """Complete (train_batch_size, micro, gas) so that train = micro * gas * world_size."""
+
+    def fail(problem: str, fix: str) -> ConfigError:
+        return ConfigError(
+            f"{where}{problem}: train_batch_size={train}, train_micro_batch_size_per_gpu={micro}, "
+            f"gradient_accumulation_steps={gas}, world_size={world_size}. They must satisfy "
+            "train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps "
+            f"* world_size; {fix}."
+        )
+
+    if train is not None and micro is not None and gas is not None:
+        if train != micro * gas * world_size:
+            raise fail(
+                f"inconsistent batch sizes ({micro} * {gas} * {world_size} = "
+                f"{micro * gas * world_size}, not {train})",
+                "fix the numbers, or give only two of the three keys to have the third derived",
+            )
+        return train, micro, gas
+    if train is not None:
+        if micro is not None:
+            known, name = micro, "train_micro_batch_size_per_gpu"
+        else:
+            gas = 1 if gas is None else gas  # DeepSpeed: only train given -> no accumulation
+            known, name = gas, "gradient_accumulation_steps"
+        per = known * world_size
+        if train % per:
+            raise fail(
+                f"train_batch_size {train} is not divisible by {name} * world_size = {per}",
+                "choose train_batch_size as a multiple of that product",
+            )
+        return (train, micro, train // per) if micro is not None else (train, train // per, gas)
+    if micro is not None:
+        gas = 1 if gas is None else gas
+        return micro * gas * world_size, micro, gas
+    raise ConfigError(
+        f"{where}no batch size given: set 'train_micro_batch_size_per_gpu' (samples per rank) "
+        "and/or 'train_batch_size' (global); 'gradient_accumulation_steps' alone is not enough."
+    )
+
+
+def _warn_unsupported(config: Config, where: str) -> None:
+    for name in UNSUPPORTED_BLOCKS:
+        block = getattr(config, name)
+        if block is not None and block.get("enabled") is True:
+            warnings.warn(
+                f"{where}'{name}' is enabled, but zero does not support this DeepSpeed "
+                "subsystem; the block is accepted and ignored.",
+                UserWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+    zero = config.zero_optimization
+    changed = [k for k, v in _ZERO_PLUS_PLUS_DEFAULTS.items() if getattr(zero, k) != v]
+    if changed:
+        keys = ", ".join(f"'zero_optimization.{k}'" for k in changed)
+        warnings.warn(
+            f"{where}{keys}: ZeRO++ / MiCS options are accepted but not implemented by zero; "
+            "they are ignored.",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Error messages
+# ---------------------------------------------------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(_thaw(value))
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _walk(loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, FieldInfo | None]:
+    """Follow ``loc`` through the schema: (model holding the last key, that key's FieldInfo)."""
+    model: type[BaseModel] | None = Config
+    info: FieldInfo | None = None
+    for i, part in enumerate(loc):
+        if model is None or part not in model.model_fields:
+            return (model if i == len(loc) - 1 else None), None
+        info = model.model_fields[part]
+        if i == len(loc) - 1:
+            return model, info
+        model = _model_of(info.annotation)
+    return model, info
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _describe_one(error: Mapping[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    key = ".".join(str(p) for p in loc)
+    kind = error["type"]
+    if kind == "cross_field":
+        return error["msg"]
+    if kind == "extra_forbidden":
+        model, _ = _walk(loc)
+        names = list(model.model_fields) if model is not None else []
+        hint = did_you_mean(str(loc[-1]), names)
+        if not hint and names:
+            hint = " Valid keys here: " + ", ".join(names) + "."
+        return f"unknown key '{key}'.{hint}"
+    if kind == "missing":
+        _, info = _walk(loc)
+        about = f" ({info.description})" if info is not None and info.description else ""
+        return f"missing key '{key}'{about}; add it."
+    reason = str(error["msg"])
+    if reason.startswith("Value error, "):
+        reason = reason[len("Value error, ") :]
+    _, info = _walk(loc)
+    about = f" ('{loc[-1]}': {info.description})" if info is not None and info.description else ""
+    return f"invalid value for '{key}': {_show(error.get('input'))}. {reason.rstrip('.')}.{about}"
+
+
+def _describe(err: ValidationError, where: str) -> str:
+    """One message for all problems pydantic found, without pydantic's raw dump."""
+    problems = [_describe_one(e) for e in err.errors()]
+    if len(problems) == 1:
+        return where + problems[0]
+    listed = "\n".join(f"  - {p}" for p in problems)
+    return f"{where}{len(problems)} problems:\n{listed}"

@@ -1,0 +1,272 @@
+"""Engine: wires config, communicator, flat layout, sharded optimizer and lr scheduler together.
+
+The training loop a DeepSpeed user knows:
+
+    loss = engine(batch)      # forward on the low-precision parameters
+    engine.backward(loss)     # loss * loss_scale / gradient_accumulation_steps, then autograd
+    engine.step()             # every micro-batch; updates at the accumulation boundary
+
+The engine's phase moves IDLE -> FORWARD -> BACKWARD -> IDLE (step). Calling backward twice for one
+micro-batch is an error: the gradients of the second call would be added after the reduction of
+the first (sum the losses and call backward once).
+"""
+
+import enum
+import logging
+
+import torch
+
+from .accelerator import Accelerator
+from .comm import Communicator
+from .flat import FlatLayout
+from .lr_schedules import build_scheduler
+from .optim import build_optimizer
+from .precision import LossScaler
+from .stages import ReduceSettings, ZeroOptimizer
+
+logger = logging.getLogger("zero")
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Engine(torch.nn.Module):
+    """A model trained with ZeRO stage 0, 1 or 2 over one data-parallel group.
+
+    Constructed by zero.initialize (every rank, collectively). `module` is the user's model, whose
+    trainable parameters now view zero's flat low-precision buffers.
+    """
+
+    def __init__(self, model, config, comm: Communicator, accelerator: Accelerator,
+                 optimizer=None, model_parameters=None, lr_scheduler=None):
+        super().__init__()
+        if config.zero.stage == 3:
+            raise NotImplementedError(
+                "zero_optimization.stage 3 is not available in this version; use stage 0, 1 or 2"
+            )
+        if config.grad_accum_dtype != torch.float32:
+            raise NotImplementedError(
+                "data_types.grad_accum_dtype: only fp32 gradient accumulation is implemented; "
+                "remove the key or set it to \"fp32\""
+            )
+        self.config = config
+        self.comm = comm
+        self.accelerator = accelerator
+        self.module = model.to(device=accelerator.device)
+        self._broadcast_module()
+        self.scaler = LossScaler.from_config(config)
+        client_optimizer = optimizer is not None
+        optimizer = optimizer or self._config_optimizer(model_parameters)
+        named_groups = self._named_groups(optimizer, client_optimizer)
+        self.optimizer = ZeroOptimizer(
+            named_groups,
+            optimizer,
+            FlatLayout(named_groups, config.zero.reduce_bucket_size, self._num_shards()),
+            self._reduce_settings(),
+            comm,
+            self.scaler,
+            config.compute_dtype,
+        )
+        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
+        self.phase = Phase.IDLE
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._cast_rest(config.compute_dtype)
+
+    # ----- construction -------------------------------------------------------------------
+    def _num_shards(self) -> int:
+        return 1 if self.config.zero.stage == 0 else self.comm.world_size
+
+    def _reduce_settings(self) -> ReduceSettings:
+        comm_dtype = self.config.communication_data_type
+        dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        return ReduceSettings(
+            stage=self.config.zero.stage,
+            reduce_dtype=dtypes[comm_dtype] if comm_dtype else self.config.compute_dtype,
+            allgather_numel=self.config.zero.allgather_bucket_size,
+            clip=self.config.gradient_clipping,
+            overflow_check=self.config.fp16.enabled,
+        )
+
+    def _config_optimizer(self, model_parameters):
+        if self.config.optimizer is None:
+            raise ValueError(
+                "no optimizer: give the config an 'optimizer' block ({\"type\": \"AdamW\", "
+                "\"params\": {\"lr\": 1e-3}}) or pass optimizer= to zero.initialize"
+            )
+        params = model_parameters
+        if params is None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+        return build_optimizer(self.config.optimizer.type, self.config.optimizer.params, params)
+
+    def _named_groups(self, optimizer, client_optimizer: bool):
+        """Per optimizer param group, the (name, param) pairs zero lays out and trains."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        seen, groups = set(), []
+        for group in optimizer.param_groups:
+            named = []
+            for param in group["params"]:
+                if id(param) not in names:
+                    raise ValueError(
+                        "the optimizer holds a tensor that is not a parameter of the model "
+                        f"(shape {tuple(param.shape)}); build it over model.parameters()"
+                    )
+                if param.requires_grad and param.numel() > 0 and id(param) not in seen:
+                    named.append((names[id(param)], param))
+                    seen.add(id(param))
+            groups.append(named)
+        missing = [n for n, p in self.module.named_parameters()
+                   if p.requires_grad and p.numel() > 0 and id(p) not in seen]
+        if missing:
+            source = "the optimizer passed to zero.initialize" if client_optimizer else \
+                "model_parameters"
+            raise ValueError(
+                f"parameters {missing[:5]} require grad but are in no param group of {source}; "
+                "add them to a group or set requires_grad=False"
+            )
+        return groups
+
+    def _build_scheduler(self, lr_scheduler, optimizer):
+        if lr_scheduler is not None:
+            return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(
+                lr_scheduler, "step") else lr_scheduler
+        if self.config.scheduler is None:
+            return None
+        return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, optimizer)
+
+    def _broadcast_module(self) -> None:
+        """Start every rank from rank 0's parameters and buffers (full precision, before the
+        flat buffers and fp32 master weights are built from them). Collective."""
+        if self.comm.world_size > 1:
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                self.comm.broadcast(tensor.data, src=0)
+        self.comm.ledger.end_step()
+
+    def _cast_rest(self, dtype: torch.dtype) -> None:
+        """Cast what zero does not lay out (frozen or empty parameters, floating-point buffers) to
+        the compute dtype, as DeepSpeed's module.half()/bfloat16() does."""
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
+
+    # ----- training loop ------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Run the model. With fp16.auto_cast, floating-point tensor arguments are cast to fp16."""
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _cast_floats((args, kwargs), torch.float16)
+        if torch.is_grad_enabled() and self.module.training:
+            self.phase = Phase.FORWARD
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate loss * loss_scale / gradient_accumulation_steps and reduce gradients.
+
+        Collective: every rank calls it once per micro-batch. Raises RuntimeError when called twice
+        for one micro-batch without engine.step() in between.
+        """
+        if self.phase is Phase.BACKWARD:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.backward() called twice for one micro-batch; "
+                "call engine.step() after each backward (sum the losses to backpropagate several)"
+            )
+        self.phase = Phase.BACKWARD
+        scale = self.scaler.scale / self.config.gradient_accumulation_steps
+        self.optimizer.start_backward(reduce=self.is_gradient_accumulation_boundary())
+        try:
+            (loss * scale).backward(retain_graph=retain_graph)
+        finally:
+            self.optimizer.finish_backward()
+        return loss
+
+    def step(self) -> None:
+        """Finish a micro-batch; at the accumulation boundary update parameters (collective).
+
+        At the boundary: unscale, check overflow (fp16), clip to gradient_clipping, step the
+        optimizer on the owned shards, all-gather parameters, step the lr scheduler (not on a
+        skipped step).
+        """
+        if self.phase is not Phase.BACKWARD:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.step() called without engine.backward() for this "
+                "micro-batch"
+            )
+        boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
+        if boundary:
+            self._step_applied = self.optimizer.step()
+            if self._step_applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.global_steps += 1
+            self.global_samples += self.config.train_batch_size
+            self.comm.ledger.end_step()
+            self._log_step()
+        self.micro_steps += 1
+        self.phase = Phase.IDLE
+
+    def _log_step(self) -> None:
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0 and self.comm.rank == 0:
+            logger.info(
+                "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%.4g",
+                self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scale,
+                self.get_global_grad_norm() or float("nan"),
+            )
+
+    # ----- DeepSpeed-compatible queries ---------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global L2 gradient norm of the last optimizer step, before clipping (all ranks equal)."""
+        norm = self.optimizer.global_grad_norm
+        return None if norm is None else float(norm)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def comm_stats(self) -> dict:
+        """Collective traffic of the last optimizer step on this rank: op -> {calls, elements,
+        bytes}; elements in the paper's units (an all-reduce counts twice its size)."""
+        return {op: vars(t).copy() for op, t in self.comm.ledger.last_step.items()}
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return self.optimizer.model_state_bytes()
+
+
+def _cast_floats(obj, dtype):
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+

@@ -1,0 +1,124 @@
+"""FlatLayout: where every trainable parameter lives in zero's contiguous buffers.
+
+[Note: bucket-aligned ownership]
+The trainable parameters of each optimizer param group are packed, in reverse registration order
+(roughly the order backward produces their gradients), into buckets of at most `bucket_numel`
+elements (a parameter larger than that gets a bucket of its own; parameters are never split).
+Each bucket is padded with zeros to a multiple of `num_shards`, and shard r owns the r-th
+contiguous 1/num_shards slice of every bucket. Owning a slice of each bucket, rather than one
+contiguous 1/N of the whole model, keeps every collective aligned with ownership: a bucket's
+gradient is reduce-scattered straight into the owners' slices and its parameters are all-gathered
+in place, so the per-step volume is exactly the paper's 2 Psi and buckets overlap with backward.
+Stage 0 uses num_shards 1: every rank owns everything.
+
+The layout is pure bookkeeping (no tensors), so checkpoints and tests can reason about it alone.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place: `offset` elements into bucket `bucket`, `numel` elements long."""
+
+    name: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    numel: int
+
+
+@dataclass
+class BucketLayout:
+    """A run of parameters of one param group, padded to a multiple of the number of shards.
+
+    Offsets and sizes are in elements. `start` is the bucket's offset in its group's flat buffer.
+    """
+
+    index: int
+    group: int
+    start: int
+    numel: int
+    padded_numel: int
+    num_shards: int
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.num_shards
+
+    def owned_range(self, shard: int) -> tuple[int, int]:
+        """[begin, end) in elements, relative to the bucket start, of the slice shard owns."""
+        return shard * self.shard_numel, (shard + 1) * self.shard_numel
+
+
+class FlatLayout:
+    """Bucketed, padded packing of trainable parameters into one flat buffer per param group.
+
+    Args:
+        named_groups: per optimizer param group, the (name, parameter) pairs it trains. Frozen and
+            zero-element parameters must already be filtered out; each parameter appears once.
+        bucket_numel: the most elements a bucket holds (DeepSpeed key reduce_bucket_size).
+        num_shards: how many ranks split each bucket (the data-parallel world size, or 1).
+
+    Raises ValueError for a non-positive bucket size or shard count.
+    """
+
+    def __init__(self, named_groups, bucket_numel: int, num_shards: int):
+        if bucket_numel <= 0 or num_shards <= 0:
+            raise ValueError(f"bucket_numel={bucket_numel} and num_shards={num_shards} must be > 0")
+        self.num_shards = num_shards
+        self.buckets: list[BucketLayout] = []
+        self.group_numel: list[int] = []
+        self._slot_of: dict[int, Slot] = {}
+        for group_index, named in enumerate(named_groups):
+            self._pack_group(group_index, list(reversed(list(named))), bucket_numel)
+
+    def _pack_group(self, group: int, named, bucket_numel: int) -> None:
+        start = 0
+        pending: list[tuple[str, torch.Tensor]] = []
+        pending_numel = 0
+        for name, param in named:
+            if pending and pending_numel + param.numel() > bucket_numel:
+                start = self._close_bucket(group, start, pending)
+                pending, pending_numel = [], 0
+            pending.append((name, param))
+            pending_numel += param.numel()
+        if pending:
+            start = self._close_bucket(group, start, pending)
+        self.group_numel.append(start)
+
+    def _close_bucket(self, group: int, start: int, named) -> int:
+        index = len(self.buckets)
+        numel = sum(p.numel() for _, p in named)
+        padded = -(-numel // self.num_shards) * self.num_shards
+        bucket = BucketLayout(index, group, start, numel, padded, self.num_shards)
+        offset = 0
+        for name, param in named:
+            slot = Slot(name, tuple(param.shape), index, offset, param.numel())
+            bucket.slots.append(slot)
+            self._slot_of[id(param)] = slot
+            offset += param.numel()
+        self.buckets.append(bucket)
+        return start + padded
+
+    def slot(self, param: torch.Tensor) -> Slot:
+        return self._slot_of[id(param)]
+
+    def group_buckets(self, group: int) -> list[BucketLayout]:
+        return [b for b in self.buckets if b.group == group]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_numel)
+
+    @property
+    def numel(self) -> int:
+        """Parameter elements laid out, without padding."""
+        return sum(b.numel for b in self.buckets)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(b.padded_numel for b in self.buckets)

@@ -1,0 +1,403 @@
+"""The sharded optimizer of ZeRO stages 0, 1 and 2 (paper, section 5.1-5.2).
+
+One code path serves three policies:
+
+| stage | gradient buffer kept across micro-batches | reduction            | when             |
+|-------|--------------------------------------------|----------------------|------------------|
+| 0     | full, fp32                                 | all-reduce, in place | last micro-batch |
+| 1     | full, fp32                                 | reduce-scatter       | last micro-batch |
+| 2     | only the owned fp32 shard                  | reduce-scatter       | every micro-batch|
+
+In every stage a rank keeps fp32 master weights and optimizer state only for the slices it owns
+(stage 0 owns everything), steps the optimizer on them, and all-gathers the updated slices back
+into the low-precision parameter buffers (see flat.py for the ownership layout).
+
+[Note: launch order]
+Gradient hooks mark a bucket ready when every parameter in it has its gradient, but buckets are
+launched strictly in index order: a bucket that is ready early waits for its predecessors. Every
+rank therefore issues the same collectives in the same order, whatever order autograd produced
+gradients in and whichever parameters a rank left unused (their gradients are zero). Buckets still
+not launched when backward ends are launched by finish_backward().
+"""
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .comm import Communicator, Handle
+from .flat import BucketLayout, FlatLayout
+from .precision import LossScaler
+
+# Stage-2 buckets allowed in flight before the oldest is waited for; bounds transient gradient
+# memory to a few buckets (the paper's constant-size buffers) while keeping overlap.
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
+class BucketState(enum.Enum):
+    FILLING = "filling"  # gradients of this micro-batch are being copied in
+    REDUCING = "reducing"  # collective launched, not yet waited for
+    REDUCED = "reduced"  # reduced gradients are in grad_shard
+
+
+@dataclass
+class ReduceSettings:
+    """What the sharded optimizer needs from the config (DeepSpeed key in brackets).
+
+    stage: 0, 1 or 2 [zero_optimization.stage]. reduce_dtype: dtype stage 2 reduces gradients in
+    [communication_data_type, default the compute dtype]. allgather_numel: the most parameter
+    elements all-gathered at once [zero_optimization.allgather_bucket_size]. clip: global-norm
+    threshold, 0 disables [gradient_clipping]. overflow_check: skip steps whose gradients are not
+    finite (fp16).
+    """
+
+    stage: int
+    reduce_dtype: torch.dtype
+    allgather_numel: int
+    clip: float
+    overflow_check: bool
+
+
+class Bucket:
+    """Runtime buffers of one BucketLayout on this rank.
+
+    param_buffer: (padded_numel,) compute dtype, the storage the model's parameters view.
+    master: (shard_numel,) fp32 owned weights the optimizer updates; aliases the owned slice of
+        param_buffer when the compute dtype is fp32 (no copy, no cast).
+    grad_shard: (shard_numel,) fp32 owned, reduced gradient; in stage 0 the full accumulation
+        buffer itself.
+    accum: (padded_numel,) fp32 gradient accumulated over micro-batches (stages 0 and 1 only).
+    """
+
+    def __init__(self, layout: BucketLayout, params, param_buffer, shard: int, stage: int):
+        self.layout = layout
+        self.params = params
+        self.param_buffer = param_buffer
+        begin, end = layout.owned_range(shard)
+        self.param_shard = param_buffer[begin:end]
+        self.master = None
+        self.accum = None
+        self.grad_shard = None
+        self.staging = None
+        self.recv = None
+        self.handle = Handle()
+        self.state = BucketState.FILLING
+        self.arrived = [False] * len(params)
+        self.num_arrived = 0
+        self.stage = stage
+
+    def fill_target(self, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer a gradient of this micro-batch is added to."""
+        if self.stage < 2:
+            return self.accum
+        if self.staging is None:
+            self.staging = torch.zeros(
+                self.layout.padded_numel, dtype=dtype, device=self.param_buffer.device
+            )
+        return self.staging
+
+    def reset_arrivals(self) -> None:
+        self.arrived = [False] * len(self.params)
+        self.num_arrived = 0
+        self.state = BucketState.FILLING
+
+    @property
+    def ready(self) -> bool:
+        return self.num_arrived == len(self.params)
+
+
+class ZeroOptimizer:
+    """Gradient reduction, clipping, loss-scale handling and the sharded optimizer step.
+
+    Args:
+        named_groups: per param group of `optimizer`, the (name, parameter) pairs it trains
+            (trainable, non-empty, each parameter once).
+        optimizer: a torch.optim.Optimizer built over those groups; its param lists are replaced
+            by this rank's fp32 master shards, keeping every hyper-parameter.
+        layout: the FlatLayout of named_groups.
+        settings: ReduceSettings; comm: the data-parallel Communicator; scaler: the LossScaler.
+        compute_dtype: dtype of the parameters seen by forward and backward.
+
+    Collective: every rank of the data-parallel group constructs it and calls step() together.
+    """
+
+    def __init__(self, named_groups, optimizer, layout: FlatLayout, settings, comm, scaler,
+                 compute_dtype):
+        self.layout = layout
+        self.settings = settings
+        self.comm: Communicator = comm
+        self.scaler: LossScaler = scaler
+        self.optimizer = optimizer
+        self.compute_dtype = compute_dtype
+        self.global_grad_norm = None
+        self._accepting_grads = False
+        self._reduce_this_micro_batch = False
+        self._first_reduce = True
+        self._next_launch = 0
+        self._in_flight: deque[Bucket] = deque()
+        self._names: dict[int, str] = {}
+        self.buckets = self._build_buckets(named_groups)
+        self._hooks = self._register_hooks()
+        self._bind_optimizer()
+
+    # ----- construction -------------------------------------------------------------------
+    def _build_buckets(self, named_groups) -> list[Bucket]:
+        params_by_name = {}
+        for named in named_groups:
+            for name, param in named:
+                params_by_name[name] = param
+                self._names[id(param)] = name
+        device = next(iter(params_by_name.values())).device if params_by_name else "cpu"
+        shard = self.comm.rank if self.layout.num_shards > 1 else 0
+        buckets = []
+        for group in range(self.layout.num_groups):
+            flat = torch.zeros(self.layout.group_numel[group], dtype=self.compute_dtype,
+                               device=device)
+            for bl in self.layout.group_buckets(group):
+                params = [params_by_name[s.name] for s in bl.slots]
+                view = flat[bl.start : bl.start + bl.padded_numel]
+                bucket = Bucket(bl, params, view, shard, self.settings.stage)
+                self._init_bucket_state(bucket)
+                buckets.append(bucket)
+        return buckets
+
+    def _init_bucket_state(self, bucket: Bucket) -> None:
+        """Fill the bucket from its parameters, create master and gradient buffers, rebind."""
+        layout, device = bucket.layout, bucket.param_buffer.device
+        full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+        for slot, param in zip(layout.slots, bucket.params):
+            full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+        bucket.param_buffer.copy_(full)
+        begin, end = layout.owned_range(self.comm.rank if layout.num_shards > 1 else 0)
+        if self.compute_dtype == torch.float32:
+            bucket.master = bucket.param_shard
+        else:
+            bucket.master = full[begin:end].clone()
+        del full
+        if self.settings.stage < 2:
+            bucket.accum = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+        if self.settings.stage == 0:
+            bucket.grad_shard = bucket.accum
+        else:
+            bucket.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        bucket.master.grad = bucket.grad_shard
+        for slot, param in zip(layout.slots, bucket.params):
+            # The parameter becomes a view of zero's buffer: forward reads what all-gather wrote.
+            param.data = bucket.param_buffer[slot.offset : slot.offset + slot.numel].view(
+                slot.shape
+            )
+            param.grad = None
+
+    def _register_hooks(self) -> list:
+        handles = []
+        for bucket in self.buckets:
+            for index, param in enumerate(bucket.params):
+                handles.append(
+                    param.register_post_accumulate_grad_hook(self._make_hook(bucket, index))
+                )
+        return handles
+
+    def _make_hook(self, bucket: Bucket, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(bucket, index, param)
+
+        return hook
+
+    def _bind_optimizer(self) -> None:
+        """Point the optimizer's param groups at this rank's master shards (state must be empty)."""
+        if len(self.optimizer.state) > 0:
+            raise ValueError(
+                "the optimizer passed to zero.initialize already has state (it has stepped); "
+                "pass a freshly constructed optimizer"
+            )
+        for group_index, group in enumerate(self.optimizer.param_groups):
+            group["params"] = [
+                b.master for b in self.buckets if b.layout.group == group_index
+            ]
+
+    # ----- backward -----------------------------------------------------------------------
+    def start_backward(self, reduce: bool) -> None:
+        """Begin a micro-batch's backward; `reduce` is true when its gradients are reduced now
+        (every micro-batch in stage 2, the last one before the optimizer step in stages 0/1)."""
+        self._accepting_grads = True
+        self._reduce_this_micro_batch = reduce or self.settings.stage == 2
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.reset_arrivals()
+
+    def _on_grad(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        name = self._names[id(param)]
+        if not self._accepting_grads:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: gradient of parameter '{name}' arrived outside "
+                "engine.backward(); call engine.backward(loss) instead of loss.backward()"
+            )
+        if bucket.state is not BucketState.FILLING:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: parameter '{name}' received a second gradient after its "
+                "bucket was reduced in this backward (a parameter used both inside and outside "
+                "a reentrant checkpoint); use non-reentrant activation checkpointing"
+            )
+        slot = bucket.layout.slots[index]
+        target = bucket.fill_target(self.settings.reduce_dtype)
+        target[slot.offset : slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        param.grad = None
+        if not bucket.arrived[index]:
+            bucket.arrived[index] = True
+            bucket.num_arrived += 1
+        if self._reduce_this_micro_batch and bucket.ready:
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if not (force or bucket.ready):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's reduction (asynchronous; finished by _finish)."""
+        bucket.state = BucketState.REDUCING
+        if self.settings.stage == 0:
+            bucket.handle = self.comm.all_reduce(bucket.accum, async_op=True)
+        elif self.settings.stage == 1:
+            bucket.handle = self.comm.reduce_scatter(bucket.grad_shard, bucket.accum, True)
+        else:
+            source = bucket.fill_target(self.settings.reduce_dtype)
+            direct = self._first_reduce and source.dtype == torch.float32
+            if direct:
+                output = bucket.grad_shard
+            else:
+                output = torch.empty(bucket.layout.shard_numel, dtype=source.dtype,
+                                     device=source.device)
+                bucket.recv = output
+            bucket.handle = self.comm.reduce_scatter(output, source, async_op=True)
+        self._in_flight.append(bucket)
+        while self.settings.stage == 2 and len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self._finish(self._in_flight.popleft())
+
+    def _finish(self, bucket: Bucket) -> None:
+        bucket.handle.wait()
+        if bucket.recv is not None:
+            if self._first_reduce:
+                bucket.grad_shard.copy_(bucket.recv)
+            else:
+                bucket.grad_shard.add_(bucket.recv)
+            bucket.recv = None
+        bucket.staging = None  # stage 2: the full-size gradient is freed once reduced
+        bucket.state = BucketState.REDUCED
+
+    def finish_backward(self) -> None:
+        """End a micro-batch's backward: launch what is left, in order, and wait for all of it.
+
+        Collective (when gradients are reduced in this micro-batch): every rank must call it.
+        """
+        self._accepting_grads = False
+        if not self._reduce_this_micro_batch:
+            return
+        self._launch_ready(force=True)
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
+        self._first_reduce = False
+
+    # ----- step ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Unscale, check overflow, clip and update the owned shards; all-gather parameters.
+
+        Returns True when the step was applied, False when skipped (fp16 overflow). Collective.
+        Records the global gradient norm (before clipping, identical on every rank).
+        """
+        inv = 1.0 / (self.comm.world_size * self.scaler.scale)
+        shards = [b.grad_shard for b in self.buckets]
+        for shard in shards:
+            shard.mul_(inv)
+        norm = self._global_norm(shards)
+        self.global_grad_norm = norm
+        overflow = self.settings.overflow_check and not math.isfinite(norm)
+        if not overflow:
+            self._clip(shards, norm)
+            self.optimizer.step()
+            self._all_gather_params()
+        self.scaler.update(bool(overflow), self.comm.rank)
+        self.zero_grad()
+        return not overflow
+
+    def _global_norm(self, shards) -> float:
+        """L2 norm over all owned gradient elements of all ranks (one 1-element all-reduce)."""
+        device = self.buckets[0].grad_shard.device if self.buckets else "cpu"
+        squares = torch.zeros(1, dtype=torch.float32, device=device)
+        for shard in shards:
+            squares += torch.linalg.vector_norm(shard).square()
+        if self.layout.num_shards > 1:
+            self.comm.all_reduce(squares)
+        return float(squares.sqrt())
+
+    def _clip(self, shards, norm: float) -> None:
+        if self.settings.clip > 0:
+            coef = self.settings.clip / (norm + 1e-6)
+            if coef < 1.0:
+                for shard in shards:
+                    shard.mul_(coef)
+
+    def _all_gather_params(self) -> None:
+        """Write updated owned slices into the parameter buffers and all-gather every bucket,
+        with at most allgather_numel elements in flight."""
+        pending: deque[tuple[Handle, int]] = deque()
+        in_flight = 0
+        for bucket in self.buckets:
+            if bucket.master is not bucket.param_shard:
+                bucket.param_shard.copy_(bucket.master)
+            if self.layout.num_shards == 1:
+                continue
+            numel = bucket.layout.padded_numel
+            while pending and in_flight + numel > self.settings.allgather_numel:
+                handle, size = pending.popleft()
+                handle.wait()
+                in_flight -= size
+            pending.append(
+                (self.comm.all_gather(bucket.param_buffer, bucket.param_shard, True), numel)
+            )
+            in_flight += numel
+        for handle, _ in pending:
+            handle.wait()
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad_shard.zero_()
+            if bucket.accum is not None:
+                bucket.accum.zero_()
+        self._first_reduce = True
+
+    # ----- introspection ------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes per rank held for model states, by kind (parameters, gradients, master weights,
+        optimizer state), measured from the tensors themselves."""
+        param = sum(b.param_buffer.numel() * b.param_buffer.element_size() for b in self.buckets)
+        grad = 0
+        for b in self.buckets:
+            grad += b.grad_shard.numel() * 4
+            if b.accum is not None and b.accum is not b.grad_shard:
+                grad += b.accum.numel() * 4
+        master = sum(
+            b.master.numel() * 4 for b in self.buckets if b.master is not b.param_shard
+        )
+        state = 0
+        for per_param in self.optimizer.state.values():
+            for value in per_param.values():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    state += value.numel() * value.element_size()
+        return {"params": param, "grads": grad, "master": master, "optimizer_state": state}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["loss_scaler"])

@@ -1,0 +1,130 @@
+"""Train a byte-level GPT on real text through zero.
+
+Single process:   python examples/train.py --config configs/zero2.json
+Data parallel:    zrun --hostfile examples/hosts examples/train.py --config configs/zero2.json
+
+The model is in gpt.py, the data in data.py; this file is only the loop. Batch size, gradient
+accumulation, optimizer, lr schedule, precision and ZeRO stage all come from the config.
+"""
+
+import argparse
+import random
+import time
+
+import torch
+import zero
+from data import ByteDataset, load_corpus
+from gpt import GPT, GPTConfig
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train a byte-level GPT with zero.")
+    parser.add_argument("--config", required=True, help="zero config (json, hjson or yaml)")
+    parser.add_argument("--data", default=None, help="text file (default: Python stdlib source)")
+    parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--n_head", type=int, default=4)
+    parser.add_argument("--n_embd", type=int, default=128)
+    parser.add_argument("--block_size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--eval_batches", type=int, default=20, help="micro-batches for val loss")
+    parser.add_argument("--local_rank", type=int, default=-1, help="ignored (launchers pass it)")
+    return parser.parse_args()
+
+
+def log(engine, *lines: str) -> None:
+    """Print on rank 0 only, flushed so the lines interleave correctly under a launcher."""
+    if engine.rank == 0:
+        print(*lines, sep="\n", flush=True)
+
+
+@torch.no_grad()
+def evaluate(engine, data: ByteDataset, num_batches: int, batch_size: int) -> float:
+    """Mean loss over num_batches validation micro-batches (this rank's batches)."""
+    engine.eval()
+    total = 0.0
+    for _ in range(num_batches):
+        x, y = data.get_batch("val", batch_size, engine.device)
+        total += engine(x, y).item()
+    engine.train()
+    return total / num_batches
+
+
+def main() -> None:
+    args = parse_args()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+
+    model_config = GPTConfig(
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=args.dropout,
+    )
+    model = GPT(model_config)
+    num_params = model.num_parameters()  # before initialize: stage 3 may shard the parameters
+    engine, _, _, _ = zero.initialize(args=args, model=model, config=args.config)
+
+    raw, corpus_name = load_corpus(args.data)
+    data = ByteDataset(raw, args.block_size, seed=args.seed, rank=engine.rank)
+    bits, nats = data.unigram_entropy()
+    micro_batch = engine.config.train_micro_batch_size_per_gpu
+    accumulation = engine.config.gradient_accumulation_steps
+    global_batch = micro_batch * engine.world_size * accumulation
+    tokens_per_step = global_batch * args.block_size
+    print_every = engine.config.steps_per_print
+
+    log(
+        engine,
+        f"world size {engine.world_size}, device {engine.device}, "
+        f"compute dtype {engine.config.compute_dtype}",
+        f"model: {num_params:,} parameters "
+        f"({args.n_layer} layers, {args.n_head} heads, width {args.n_embd})",
+        f"corpus: {corpus_name}, {len(raw):,} bytes "
+        f"(train {len(data.train):,}, val {len(data.val):,})",
+        f"unigram entropy {nats:.4f} nats/byte ({bits:.4f} bits/byte): the loss to beat",
+        f"batch: micro {micro_batch} x world {engine.world_size} x accumulation "
+        f"{accumulation} = {global_batch} sequences ({tokens_per_step:,} tokens) per step",
+    )
+
+    engine.train()
+    # Losses stay on the device until a print so logging costs one sync per print, not per batch.
+    window_losses, train_loss = [], float("nan")
+    window_start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        for _ in range(accumulation):
+            x, y = data.get_batch("train", micro_batch, engine.device)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()  # acts only at the accumulation boundary
+            window_losses.append(loss.detach())
+
+        if step % print_every == 0 or step == args.steps:
+            train_loss = torch.stack(window_losses).float().mean().item()
+            elapsed = time.perf_counter() - window_start  # after .item(): the device is idle
+            steps_in_window = len(window_losses) // accumulation
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
+            log(
+                engine,
+                f"step {step:>5} | loss {train_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
+                f"loss scale {engine.loss_scale:g} | grad norm {grad_norm} | "
+                f"{steps_in_window * tokens_per_step / elapsed:,.0f} tokens/s",
+            )
+            window_losses = []
+            window_start = time.perf_counter()
+
+    val_loss = evaluate(engine, data, args.eval_batches, micro_batch)
+    log(engine, f"val loss {val_loss:.4f} over {args.eval_batches} batches")
+    if engine.skipped_steps:
+        log(engine, f"skipped steps (fp16 overflow): {engine.skipped_steps}")
+    log(
+        engine,
+        f"final: train_loss={train_loss:.4f} val_loss={val_loss:.4f} unigram_entropy={nats:.4f}",
+    )
+
+
+if __name__ == "__main__":
+    main()

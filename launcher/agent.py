@@ -1,0 +1,262 @@
+"""Per-node agent: starts one process per slot of this node, watches them, ends them together.
+
+Run as ``python -m zero.launcher.agent [options] script [script args]``; zrun starts one per node.
+Process management is torch.distributed's elastic agent (``elastic_launch``) with a static
+rendezvous on MASTER_ADDR:MASTER_PORT (node rank 0 serves the store) and no restarts. It sets
+RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT for each
+rank; this module adds NODE_RANK, OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES (--device_ids).
+
+[Note: no process left behind]
+The elastic agent starts each rank in its own session and, on the first failure or a signal,
+sends SIGTERM to the process group of every rank still running, then SIGKILL after
+--shutdown_timeout seconds. Two cases escape that: children of a rank that already exited (they
+are orphans, no longer in a group the agent signals) and processes a rank moved to a new session.
+So the agent makes itself a child subreaper (Linux): every orphan of the job is re-parented to
+the agent, and after the job the agent kills whatever descendants remain. The agent also ends the
+job when its parent (zrun, or later the ssh channel) disappears.
+"""
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import static_tcp_rendezvous  # noqa: F401
+from torch.distributed.elastic.utils import macros
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+_PR_SET_CHILD_SUBREAPER = 36
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """The first rank of this node that failed: its ranks, the node, and its exit code."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    node_name: str
+    exit_code: int
+
+    def describe(self) -> str:
+        """One line for the console, e.g. 'rank 1 (local_rank 1 on node 0 'localhost') exited
+        with code 7'; a rank killed by a signal is reported with the signal's name."""
+        where = f"rank {self.rank} (local_rank {self.local_rank} on node {self.node_rank} "
+        where += f"'{self.node_name}')"
+        if self.exit_code < 0:
+            return f"{where} was killed by {signal.Signals(-self.exit_code).name}"
+        return f"{where} exited with code {self.exit_code}"
+
+    @property
+    def process_exit_code(self) -> int:
+        """The code zrun exits with: the rank's code, or 128 + signal number (the shell's rule)."""
+        return 128 - self.exit_code if self.exit_code < 0 else self.exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m zero.launcher.agent",
+        description="zero per-node agent: start one process per slot of this node.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--node_rank", type=int, default=0, help="this node's rank (GROUP_RANK)")
+    parser.add_argument("--num_nodes", type=int, default=1, help="number of nodes in the job")
+    parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks on this node")
+    parser.add_argument("--master_addr", default="127.0.0.1", help="rendezvous host (node 0)")
+    parser.add_argument("--master_port", type=int, default=29500, help="rendezvous TCP port")
+    parser.add_argument("--node_name", default=socket.gethostname(), help="name in messages")
+    parser.add_argument("--device_ids", default=None, help="CUDA_VISIBLE_DEVICES for the ranks")
+    parser.add_argument("--run_id", default="zrun", help="rendezvous id shared by all nodes")
+    parser.add_argument("--log_dir", default=None, help="write rank R's output to rankR.log")
+    parser.add_argument("--shutdown_timeout", type=int, default=5, help="SIGTERM->SIGKILL, s")
+    parser.add_argument("--rdzv_timeout", type=int, default=600, help="wait for nodes, s")
+    parser.add_argument("--module", action="store_true", help="run script as 'python -m'")
+    parser.add_argument("--no_python", action="store_true", help="run script as an executable")
+    parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank")
+    parser.add_argument("--verbose", action="store_true", help="show the elastic agent's log")
+    parser.add_argument("script", help="training script, module or executable")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
+    return parser
+
+
+def rank_command(args: argparse.Namespace, local_rank_arg: str) -> list[str]:
+    """The command line of one rank; ``local_rank_arg`` (a macro the elastic agent substitutes)
+    goes right after the script, where DeepSpeed's launcher puts --local_rank."""
+    if args.no_python:
+        command = [args.script]
+    elif args.module:
+        command = [sys.executable, "-u", "-m", args.script]
+    else:
+        command = [sys.executable, "-u", args.script]
+    if not args.no_local_rank:
+        command.append(f"--local_rank={local_rank_arg}")
+    command += args.script_args
+    if args.log_dir:
+        # The shell replaces itself with the rank (exec), so no process is added; it only sends
+        # stdout and stderr of rank $RANK into one file, which elastic's log redirection cannot.
+        redirect = 'exec "$@" >"$0/rank$RANK.log" 2>&1'
+        command = ["/bin/sh", "-c", redirect, args.log_dir, *command]
+    return command
+
+
+def configure_environment(args: argparse.Namespace) -> None:
+    """Set the variables every rank of this node inherits (the user's own values win for OMP)."""
+    os.environ["NODE_RANK"] = str(args.node_rank)
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(omp_num_threads(args.nproc_per_node))
+    if args.device_ids is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.device_ids
+
+
+def omp_num_threads(nproc_per_node: int) -> int:
+    """CPU cores this process may use, divided among the node's ranks, at least 1."""
+    try:
+        num_cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        num_cores = os.cpu_count() or 1
+    return max(1, num_cores // max(1, nproc_per_node))
+
+
+def become_subreaper() -> None:
+    """Make orphaned descendants re-parent to this process (Linux only; a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def kill_descendants(grace_s: float = 1.0) -> None:
+    """SIGTERM every remaining descendant of this process, SIGKILL those alive after grace_s."""
+    descendants = psutil.Process().children(recursive=True)
+    for proc in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(descendants, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def watch_parent(interval_s: float = 0.5) -> None:
+    """Start a daemon thread that sends SIGTERM to this process once its parent is gone."""
+    parent_pid = os.getppid()
+
+    def _watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=_watch, name="zrun-parent-watch", daemon=True).start()
+
+
+def _quiet_elastic_logs(verbose: bool) -> None:
+    # The elastic agent logs every closing signal and failure table; zrun prints one line instead.
+    level = logging.INFO if verbose else logging.CRITICAL
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(level)
+
+
+def _launch_config(args: argparse.Namespace, work_dir: str) -> LaunchConfig:
+    return LaunchConfig(
+        min_nodes=args.num_nodes,
+        max_nodes=args.num_nodes,
+        nproc_per_node=args.nproc_per_node,
+        run_id=args.run_id,
+        rdzv_backend="static",
+        rdzv_endpoint=f"{args.master_addr}:{args.master_port}",
+        rdzv_configs={"rank": args.node_rank, "timeout": args.rdzv_timeout},
+        max_restarts=0,
+        monitor_interval=0.1,
+        shutdown_timeout=args.shutdown_timeout,
+        # Elastic keeps its per-rank error files here; a default one would outlive the job.
+        logs_specs=DefaultLogsSpecs(log_dir=work_dir),
+    )
+
+
+def first_failure(error: ChildFailedError, args: argparse.Namespace) -> RankFailure:
+    """The failure to report from a ChildFailedError: earliest first; at equal (1 s resolution)
+    timestamps, a rank that exited on its own beats one killed by a signal, then lowest rank."""
+    rank, failure = min(
+        error.failures.items(),
+        key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0]),
+    )
+    return RankFailure(rank, failure.local_rank, args.node_rank, args.node_name, failure.exitcode)
+
+
+def run_ranks(args: argparse.Namespace) -> int:
+    """Start, watch and end this node's ranks; returns the node's exit code.
+
+    0 when every rank succeeded; the first failed rank's code (128 + N for a rank killed by
+    signal N), after a one-line report on stderr; 128 + N when this agent received signal N.
+    """
+    _quiet_elastic_logs(args.verbose)
+    command = rank_command(args, macros.local_rank)
+    try:
+        with tempfile.TemporaryDirectory(prefix="zrun-agent-") as work_dir:
+            elastic_launch(_launch_config(args, work_dir), command[0])(*command[1:])
+    except ChildFailedError as error:
+        failure = first_failure(error, args)
+        print(f"zrun: {failure.describe()}", file=sys.stderr, flush=True)
+        return failure.process_exit_code
+    except SignalException as error:
+        return 128 + int(error.sigval)
+    return 0
+
+
+def _raise_signal_exception(signum: int, _frame) -> None:
+    raise SignalException(f"agent received {signal.Signals(signum).name}", signal.Signals(signum))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m zero.launcher.agent``; returns the node's exit code.
+
+    Raises:
+        ValueError: --nproc_per_node or --num_nodes < 1, or --log_dir that cannot be created.
+    """
+    args = build_parser().parse_args(argv)
+    if args.nproc_per_node < 1 or args.num_nodes < 1:
+        raise ValueError(
+            f"--nproc_per_node and --num_nodes must be >= 1, got {args.nproc_per_node} "
+            f"and {args.num_nodes}"
+        )
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+    # Until the elastic agent installs its own handlers, a signal must still stop the launch.
+    for signum in _HANDLED_SIGNALS:
+        signal.signal(signum, _raise_signal_exception)
+    configure_environment(args)
+    become_subreaper()
+    watch_parent()
+    try:
+        return run_ranks(args)
+    except SignalException as error:
+        return 128 + int(error.sigval)
+    except Exception as error:
+        print(f"zrun: node {args.node_rank} '{args.node_name}': {error}", file=sys.stderr)
+        if args.verbose:
+            raise
+        return 1
+    finally:
+        # A second Ctrl-C must not cut the sweep short and leave processes behind.
+        for signum in _HANDLED_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        kill_descendants()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""zrun's command line: flags compatible with DeepSpeed's launcher and torchrun's common ones."""
+
+import argparse
+import os
+
+from .hostfile import DEFAULT_HOSTFILE, ResourcePool, parse_hostfile, select_resources
+
+DEFAULT_MASTER_PORT = 29500
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zrun",
+        description="Start a zero training job: one process per slot on every selected host.",
+        epilog="Everything after the script is passed to it unchanged. See docs/launcher.md.",
+        allow_abbrev=False,
+    )
+    add = parser.add_argument
+    add(
+        "-H",
+        "--hostfile",
+        default=None,
+        help=f"lines 'hostname slots=N'; default {DEFAULT_HOSTFILE} if it exists",
+    )
+    add("-i", "--include", default=None, help="hosts/slots to use, e.g. 'host1:0,1@host2'")
+    add("-e", "--exclude", default=None, help="hosts/slots to leave out, same format")
+    add("--num_nodes", type=int, default=None, help="use the first N hosts of the hostfile")
+    add(
+        "--num_gpus",
+        "--nproc_per_node",
+        dest="num_gpus",
+        type=int,
+        default=None,
+        help="processes per node (default: hostfile slots, else one per GPU, else 1)",
+    )
+    add("--master_addr", default=None, help="rendezvous host (default: node 0)")
+    add(
+        "--master_port",
+        type=int,
+        default=DEFAULT_MASTER_PORT,
+        help=f"rendezvous TCP port (default {DEFAULT_MASTER_PORT}; 0 picks a free port)",
+    )
+    add("--log_dir", default=None, help="write each rank's stdout+stderr to LOG_DIR/rankR.log")
+    add("-m", "--module", action="store_true", help="run the script as 'python -m MODULE'")
+    add("--no_python", action="store_true", help="run the script as an executable")
+    add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    add(
+        "--shutdown_timeout",
+        type=int,
+        default=5,
+        help="seconds between SIGTERM and SIGKILL when ending ranks (default 5)",
+    )
+    add("--verbose", action="store_true", help="show the elastic agent's own log")
+    add("script", help="training script (or module with -m, or executable with --no_python)")
+    add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def resource_pool(args: argparse.Namespace) -> ResourcePool:
+    """The hosts and slots the job uses, from the hostfile or this machine.
+
+    Without a hostfile (neither --hostfile nor an existing /job/hostfile) the pool is this
+    machine with --num_gpus slots, or one slot per visible CUDA device, or 1 slot without CUDA.
+
+    Raises:
+        FileNotFoundError: --hostfile names a file that does not exist.
+        ValueError: a malformed hostfile or an invalid selection (see select_resources).
+    """
+    hostfile = args.hostfile
+    if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
+        hostfile = DEFAULT_HOSTFILE
+    if hostfile is not None:
+        pool = {host: list(range(n)) for host, n in parse_hostfile(hostfile).items()}
+        return select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
+    if args.num_nodes not in (None, 1):
+        raise ValueError(f"--num_nodes {args.num_nodes} needs a --hostfile listing the nodes")
+    if args.num_gpus is not None and args.num_gpus <= 0:
+        raise ValueError(f"--num_gpus must be > 0, got {args.num_gpus}")
+    num_slots = args.num_gpus or local_device_count()
+    return select_resources({"localhost": list(range(num_slots))}, args.include, args.exclude)
+
+
+def local_device_count() -> int:
+    """Visible CUDA devices on this machine, or 1 (one CPU process) without CUDA."""
+    import torch  # imported only here: zrun itself does not need torch otherwise
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1

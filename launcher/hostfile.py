@@ -1,0 +1,181 @@
+"""Hostfile parsing and resource selection: which hosts, and which slots on each, a job uses.
+
+A hostfile lists one host per line as ``hostname slots=N`` (the DeepSpeed format); ``#`` starts
+a comment and blank lines are ignored. A resource pool is an ordered mapping host -> slot ids
+(``[0, ..., N-1]`` from the hostfile); --include/--exclude/--num_nodes/--num_gpus narrow it.
+The order of the hostfile is the order of node ranks.
+"""
+
+import os
+import re
+
+# DeepSpeed's launcher reads this file when --hostfile is not given; we do too, if it exists.
+DEFAULT_HOSTFILE = "/job/hostfile"
+
+_SLOTS_RE = re.compile(r"^slots=(\S+)$")
+
+ResourcePool = dict[str, list[int]]
+
+
+def parse_hostfile(path: str) -> dict[str, int]:
+    """Read a hostfile into an ordered mapping host -> number of slots.
+
+    Raises:
+        FileNotFoundError: the file does not exist (the message names it).
+        ValueError: a line is malformed (missing or invalid ``slots=``, slots <= 0, extra fields,
+            a host listed twice) or the file names no host; the message quotes the file, the line
+            number and the line.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"hostfile '{path}' does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    hosts: dict[str, int] = {}
+    for line_number, line in enumerate(lines, start=1):
+        content = line.split("#", 1)[0].strip()
+        if not content:
+            continue
+        host, num_slots = _parse_line(content, path, line_number, line)
+        if host in hosts:
+            raise _line_error(path, line_number, line, f"host '{host}' is listed twice")
+        hosts[host] = num_slots
+    if not hosts:
+        raise ValueError(f"hostfile '{path}' lists no host; expected lines 'hostname slots=N'")
+    return hosts
+
+
+def _parse_line(content: str, path: str, line_number: int, line: str) -> tuple[str, int]:
+    fields = content.split()
+    if len(fields) != 2:
+        raise _line_error(path, line_number, line, "expected 'hostname slots=N'")
+    host, slots_field = fields
+    match = _SLOTS_RE.match(slots_field)
+    if match is None:
+        raise _line_error(path, line_number, line, "missing 'slots=N'")
+    try:
+        num_slots = int(match.group(1))
+    except ValueError:
+        raise _line_error(
+            path, line_number, line, f"slots must be an integer, got '{match.group(1)}'"
+        ) from None
+    if num_slots <= 0:
+        raise _line_error(path, line_number, line, f"slots must be > 0, got {num_slots}")
+    return host, num_slots
+
+
+def _line_error(path: str, line_number: int, line: str, reason: str) -> ValueError:
+    return ValueError(f"hostfile '{path}' line {line_number}: {reason}: '{line.strip()}'")
+
+
+def parse_host_filter(spec: str, flag: str) -> dict[str, list[int] | None]:
+    """Parse an --include/--exclude value ``host1:0,1@host2`` into host -> slot ids.
+
+    ``None`` as a host's value means "all its slots".
+
+    Raises:
+        ValueError: an empty entry, a host repeated, or a slot id that is not a non-negative
+            integer; the message names ``flag`` and the value.
+    """
+    result: dict[str, list[int] | None] = {}
+    for entry in spec.split("@"):
+        host, _, slots = entry.strip().partition(":")
+        if not host:
+            raise ValueError(f"{flag} '{spec}': empty host in entry '{entry}'")
+        if host in result:
+            raise ValueError(f"{flag} '{spec}': host '{host}' appears twice")
+        result[host] = _parse_slot_ids(slots, spec, flag) if slots else None
+    return result
+
+
+def _parse_slot_ids(slots: str, spec: str, flag: str) -> list[int]:
+    try:
+        slot_ids = [int(s) for s in slots.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} '{spec}': slot ids must be integers, got '{slots}'") from None
+    if any(s < 0 for s in slot_ids):
+        raise ValueError(f"{flag} '{spec}': slot ids must be >= 0, got '{slots}'")
+    return slot_ids
+
+
+def select_resources(
+    pool: ResourcePool,
+    include: str | None = None,
+    exclude: str | None = None,
+    num_nodes: int | None = None,
+    num_gpus: int | None = None,
+) -> ResourcePool:
+    """Narrow a resource pool; the hostfile order is kept.
+
+    ``include`` keeps only the named hosts (and slots), ``exclude`` drops them; ``num_nodes``
+    keeps the first N hosts, ``num_gpus`` the first N slots of each host.
+
+    Raises:
+        ValueError: include and exclude given together, either combined with num_nodes or
+            num_gpus, a filter naming a host or slot not in the pool, a count <= 0 or larger
+            than the pool, or nothing left after filtering.
+    """
+    if include and exclude:
+        raise ValueError("--include and --exclude are mutually exclusive; pass one of them")
+    if (include or exclude) and (num_nodes is not None or num_gpus is not None):
+        raise ValueError("--include/--exclude cannot be combined with --num_nodes/--num_gpus")
+    if include:
+        pool = _apply_include(pool, parse_host_filter(include, "--include"))
+    elif exclude:
+        pool = _apply_exclude(pool, parse_host_filter(exclude, "--exclude"))
+    if num_nodes is not None:
+        pool = _first_nodes(pool, num_nodes)
+    if num_gpus is not None:
+        pool = _first_slots(pool, num_gpus)
+    if not pool:
+        raise ValueError("no host left after applying --include/--exclude")
+    return pool
+
+
+def _check_known(pool: ResourcePool, host_filter: dict[str, list[int] | None], flag: str) -> None:
+    for host, slot_ids in host_filter.items():
+        if host not in pool:
+            raise ValueError(f"{flag}: host '{host}' is not in the hostfile {list(pool)}")
+        unknown = sorted(set(slot_ids or []) - set(pool[host]))
+        if unknown:
+            raise ValueError(f"{flag}: host '{host}' has no slot {unknown}; slots {pool[host]}")
+
+
+def _apply_include(pool: ResourcePool, host_filter: dict[str, list[int] | None]) -> ResourcePool:
+    _check_known(pool, host_filter, "--include")
+    return {
+        host: sorted(set(host_filter[host])) if host_filter[host] else list(slot_ids)
+        for host, slot_ids in pool.items()
+        if host in host_filter
+    }
+
+
+def _apply_exclude(pool: ResourcePool, host_filter: dict[str, list[int] | None]) -> ResourcePool:
+    _check_known(pool, host_filter, "--exclude")
+    result: ResourcePool = {}
+    for host, slot_ids in pool.items():
+        if host in host_filter and host_filter[host] is None:
+            continue
+        dropped = set(host_filter.get(host) or [])
+        kept = [s for s in slot_ids if s not in dropped]
+        if kept:
+            result[host] = kept
+    return result
+
+
+def _first_nodes(pool: ResourcePool, num_nodes: int) -> ResourcePool:
+    if not 0 < num_nodes <= len(pool):
+        raise ValueError(
+            f"--num_nodes must be in 1..{len(pool)} (hosts available), got {num_nodes}"
+        )
+    return dict(list(pool.items())[:num_nodes])
+
+
+def _first_slots(pool: ResourcePool, num_gpus: int) -> ResourcePool:
+    if num_gpus <= 0:
+        raise ValueError(f"--num_gpus must be > 0, got {num_gpus}")
+    for host, slot_ids in pool.items():
+        if num_gpus > len(slot_ids):
+            raise ValueError(
+                f"--num_gpus {num_gpus} exceeds the {len(slot_ids)} slots of host '{host}'"
+            )
+    return {host: slot_ids[:num_gpus] for host, slot_ids in pool.items()}

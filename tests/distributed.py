@@ -1,0 +1,76 @@
+"""Run a function on N gloo ranks (CPU processes) and collect per-rank results.
+
+Spawning costs a few seconds per rank (importing torch), so tests spawn a group once and sweep
+their cases inside it.
+"""
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, args, queue):
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, True, fn(*args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    """Call fn(*args) on `world_size` spawned ranks with RANK/WORLD_SIZE/MASTER_* set.
+
+    fn must be a module-level function; it may call zero.initialize (which creates the gloo group)
+    any number of times. Returns the results ordered by rank. Raises RuntimeError with the failing
+    rank's traceback, or on timeout; every rank is terminated either way.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results = {}
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except Exception:
+                raise RuntimeError(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
+                    f"within {timeout} s"
+                ) from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,566 @@
+"""Tests for zero.config: loading, validation messages, batch derivation, "auto", deprecations."""
+
+import json
+import warnings
+from pathlib import Path
+
+import pydantic
+import pytest
+import torch
+from zero.config import Config, ConfigError, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))
+MICRO = {"train_micro_batch_size_per_gpu": 4}
+
+
+def load(extra: dict, **kwargs) -> Config:
+    return load_config({**MICRO, **extra}, **kwargs)
+
+
+def error_of(extra: dict, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(extra, **kwargs)
+    return str(info.value)
+
+
+# ---- sources ---------------------------------------------------------------------------------
+
+
+def test_json_with_comments(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(
+        '{\n  // micro-batch per rank\n  "train_micro_batch_size_per_gpu": 8,\n'
+        '  # hash comment\n  "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8,},\n}\n'
+    )
+    config = load_config(path, world_size=2)
+    assert config.train_batch_size == 16
+    assert config.zero.stage == 2
+    assert config.zero.reduce_bucket_size == 500_000_000
+    assert isinstance(config.zero.reduce_bucket_size, int)
+
+
+def test_hjson_file(tmp_path):
+    path = tmp_path / "c.hjson"
+    path.write_text("{\n  train_batch_size: 12\n  fp16: {enabled: true}\n}\n")
+    config = load_config(str(path), world_size=3)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu) == (12, 4)
+    assert config.compute_dtype is torch.float16
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "train_micro_batch_size_per_gpu: 2\ngradient_accumulation_steps: 3\n"
+        "zero_optimization:\n  stage: 1\n  reduce_bucket_size: 5e8  # a string in YAML 1.1\n"
+    )
+    config = load_config(path)
+    assert config.train_batch_size == 6
+    assert config.zero.reduce_bucket_size == 500_000_000
+
+
+def test_dict_is_not_mutated():
+    source = {**MICRO, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    before = json.dumps(source, sort_keys=True)
+    load_config(source, auto_values={"optimizer.params.lr": 0.1})
+    assert json.dumps(source, sort_keys=True) == before
+
+
+def test_missing_file_names_it(tmp_path):
+    path = tmp_path / "nope.json"
+    with pytest.raises(ConfigError, match="nope.json"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [("bad.json", '{\n  "a": 1,\n  "b" 2\n}'), ("bad.yaml", "a: 1\nb: [1,\n")],
+)
+def test_parse_error_names_file_and_line(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert name in str(info.value)
+    assert "line" in str(info.value)
+
+
+def test_file_errors_start_with_file_name(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stag": 1}}')
+    with pytest.raises(ConfigError, match=r"c\.json.*zero_optimization\.stag"):
+        load_config(path)
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_shipped_configs_load(path, world_size):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = load_config(path, world_size=world_size)
+    assert config.train_batch_size == 16 * world_size
+    assert config.optimizer.type == "AdamW"
+    assert config.scheduler.type == "WarmupLR"
+    assert config.zero.reduce_bucket_size == 20_000_000
+    json.dumps(config.to_dict())
+
+
+def test_shipped_configs_cover_every_stage_and_dtype():
+    names = {p.name for p in CONFIGS}
+    assert {"zero0.json", "zero1.json", "zero2.json", "zero3.json"} <= names
+    assert load_config(CONFIGS[0].parent / "zero2_bf16.json").compute_dtype is torch.bfloat16
+    fp16 = load_config(CONFIGS[0].parent / "zero2_fp16.json")
+    assert fp16.compute_dtype is torch.float16 and fp16.loss_scaling_dynamic
+
+
+# ---- batch derivation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "given, world_size, expected",
+    [
+        ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4}, 3, (24, 4, 2)),
+        ({"train_batch_size": 24, "gradient_accumulation_steps": 2}, 3, (24, 4, 2)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3, (24, 4, 2)),
+        ({"train_batch_size": 24}, 3, (24, 8, 1)),
+        ({"train_micro_batch_size_per_gpu": 4}, 3, (12, 4, 1)),
+        (
+            {
+                "train_batch_size": 24,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+            },
+            3,
+            (24, 4, 2),
+        ),
+        ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, 1, (8, 2, 4)),
+    ],
+)
+def test_batch_derivation(given, world_size, expected):
+    config = load_config(given, world_size=world_size)
+    got = (
+        config.train_batch_size,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+    )
+    assert got == expected
+    assert all(isinstance(v, int) for v in got)
+
+
+def test_inconsistent_triple_shows_all_four_numbers():
+    given = {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 5,
+        "gradient_accumulation_steps": 7,
+    }
+    with pytest.raises(ConfigError) as info:
+        load_config(given, world_size=3)
+    message = str(info.value)
+    for number in ("32", "5", "7", "3"):
+        assert number in message
+    assert "train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size" in message
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+        {"train_batch_size": 10, "gradient_accumulation_steps": 4},
+        {"train_batch_size": 10},
+    ],
+)
+def test_non_divisible_derivation(given):
+    with pytest.raises(ConfigError, match="not divisible") as info:
+        load_config(given, world_size=3)
+    assert "world_size=3" in str(info.value)
+
+
+@pytest.mark.parametrize("given", [{}, {"gradient_accumulation_steps": 2}])
+def test_no_batch_size(given):
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
+        load_config(given)
+
+
+def test_revalidate_existing_config_for_world_size():
+    config = load_config({"train_micro_batch_size_per_gpu": 4}, world_size=1)
+    assert config.train_batch_size == 4
+    assert load_config(config, world_size=3).train_batch_size == 12
+
+
+def test_bad_world_size():
+    with pytest.raises(ConfigError, match="world_size"):
+        load_config(MICRO, world_size=0)
+
+
+# ---- unknown keys ----------------------------------------------------------------------------
+
+
+def test_unknown_top_level_key():
+    message = error_of({"gradient_clippin": 1.0})
+    assert "unknown key 'gradient_clippin'" in message
+    assert "Did you mean 'gradient_clipping'?" in message
+
+
+def test_unknown_nested_key():
+    message = error_of({"zero_optimization": {"stag": 2}})
+    assert "unknown key 'zero_optimization.stag'" in message
+    assert "Did you mean 'stage'?" in message
+
+
+def test_unknown_deeply_nested_key():
+    message = error_of({"zero_optimization": {"stage": 1, "offload_optimizer": {"devise": "cpu"}}})
+    assert "zero_optimization.offload_optimizer.devise" in message
+    assert "'device'" in message
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    message = error_of({"bf16": {"xyzzy": 1}})
+    assert "unknown key 'bf16.xyzzy'" in message
+    assert "enabled" in message
+
+
+def test_one_message_without_pydantic_dump():
+    message = error_of({"fp16": {"enabled": "maybe"}, "zero_optimization": {"stage": 9}})
+    assert "fp16.enabled" in message and "zero_optimization.stage" in message
+    assert "pydantic" not in message and "errors.pydantic.dev" not in message
+
+
+# ---- invalid values --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size"),
+        (
+            {"zero_optimization": {"reduce_bucket_size": -5}},
+            "zero_optimization.reduce_bucket_size",
+        ),
+        (
+            {"zero_optimization": {"reduce_bucket_size": 5.5e2 + 0.25}},
+            "zero_optimization.reduce_bucket_size",
+        ),
+        (
+            {"zero_optimization": {"allgather_bucket_size": 0}},
+            "zero_optimization.allgather_bucket_size",
+        ),
+        (
+            {"zero_optimization": {"stage3_prefetch_bucket_size": -1}},
+            "zero_optimization.stage3_prefetch_bucket_size",
+        ),
+        (
+            {"zero_optimization": {"stage3_param_persistence_threshold": 1.5}},
+            "zero_optimization.stage3_param_persistence_threshold",
+        ),
+        ({"zero_optimization": {"sub_group_size": 0}}, "zero_optimization.sub_group_size"),
+        (
+            {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "gpu"}}},
+            "zero_optimization.offload_optimizer.device",
+        ),
+        (
+            {"zero_optimization": {"stage": 1, "offload_optimizer": {"ratio": 2}}},
+            "zero_optimization.offload_optimizer.ratio",
+        ),
+        ({"gradient_clipping": -1.0}, "gradient_clipping"),
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
+        ({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps"),
+        ({"steps_per_print": 0}, "steps_per_print"),
+        ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale"),
+        ({"fp16": {"hysteresis": 0}}, "fp16.hysteresis"),
+        ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale"),
+        ({"data_types": {"grad_accum_dtype": "fp8"}}, "data_types.grad_accum_dtype"),
+        ({"communication_data_type": "int8"}, "communication_data_type"),
+        ({"checkpoint": {"tag_validation": "Maybe"}}, "checkpoint.tag_validation"),
+        ({"optimizer": {"params": {"lr": 1}}}, "optimizer.type"),
+        ({"optimizer": {"type": "AdamW", "params": [1]}}, "optimizer.params"),
+        ({"zero_optimization": {"stage3_module_classes": ["Block", 3]}}, "stage3_module_classes"),
+    ],
+)
+def test_invalid_value_names_key(extra, key):
+    message = error_of(extra)
+    assert key in message
+
+
+def test_invalid_value_message_shows_value_and_fix():
+    message = error_of({"zero_optimization": {"stage": 4}})
+    assert "4" in message and "0, 1, 2, 3" in message
+    message = error_of({"zero_optimization": {"reduce_bucket_size": 0}})
+    assert "elements" in message
+
+
+@pytest.mark.parametrize(
+    "extra, keys",
+    [
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ["fp16.enabled", "bf16.enabled"]),
+        (
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+            ["zero_optimization.offload_param", "zero_optimization.stage"],
+        ),
+        (
+            {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+            ["zero_optimization.offload_optimizer"],
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+            ["zero_optimization.offload_optimizer.device"],
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+            ["zero_optimization.offload_param.nvme_path"],
+        ),
+        (
+            {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
+            ["data_types.grad_accum_dtype"],
+        ),
+        (
+            {"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
+            ["data_types.grad_accum_dtype"],
+        ),
+        ({"data_types": {"grad_accum_dtype": "fp16"}}, ["data_types.grad_accum_dtype"]),
+        ({"fp16": {"fp16_master_weights_and_grads": True}}, ["fp16.fp16_master_weights_and_grads"]),
+    ],
+)
+def test_cross_field_rules(extra, keys):
+    message = error_of(extra)
+    for key in keys:
+        assert key in message
+
+
+def test_valid_combinations():
+    config = load(
+        {
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "bf16"},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            },
+        }
+    )
+    assert config.grad_accum_dtype is torch.bfloat16
+    assert config.zero.offload_param.device == "nvme"
+    assert load({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+
+
+# ---- defaults and derived helpers ------------------------------------------------------------
+
+
+def test_defaults():
+    config = load({})
+    assert config.gradient_clipping == 1.0
+    assert config.steps_per_print == 10
+    assert config.zero.stage == 0
+    assert config.zero.reduce_bucket_size == 500_000_000
+    assert config.zero.allgather_bucket_size == 500_000_000
+    assert config.zero.stage3_prefetch_bucket_size == 50_000_000
+    assert config.zero.contiguous_gradients and config.zero.reduce_scatter
+    assert config.fp16.initial_scale_power == 16 and config.fp16.hysteresis == 2
+    assert config.optimizer is None and config.scheduler is None
+    assert config.compute_dtype is torch.float32
+    assert config.grad_accum_dtype is torch.float32
+    assert not config.loss_scaling_dynamic
+
+
+@pytest.mark.parametrize("stage, expected", [(0, False), (1, False), (2, False), (3, True)])
+def test_overlap_comm_default_depends_on_stage(stage, expected):
+    assert load({"zero_optimization": {"stage": stage}}).zero.overlap_comm is expected
+    given = load({"zero_optimization": {"stage": stage, "overlap_comm": not expected}})
+    assert given.zero.overlap_comm is (not expected)
+
+
+def test_gradient_clipping_zero_disables():
+    assert load({"gradient_clipping": 0}).gradient_clipping == 0
+
+
+def test_precision_helpers():
+    fp16 = load({"fp16": {"enabled": True}})
+    assert fp16.compute_dtype is torch.float16 and fp16.loss_scaling_dynamic
+    static = load({"fp16": {"enabled": True, "loss_scale": 128}})
+    assert not static.loss_scaling_dynamic
+    bf16 = load({"bf16": {"enabled": True}})
+    assert bf16.compute_dtype is torch.bfloat16 and not bf16.loss_scaling_dynamic
+    assert load({"data_types": {"grad_accum_dtype": "fp32"}}).grad_accum_dtype is torch.float32
+
+
+def test_sizes_coerce_to_int():
+    zero = load({"zero_optimization": {"reduce_bucket_size": 2e7, "stage": 2.0}}).zero
+    assert zero.reduce_bucket_size == 20_000_000 and type(zero.reduce_bucket_size) is int
+    assert zero.stage == 2 and type(zero.stage) is int
+
+
+def test_to_dict_is_json_and_roundtrips():
+    config = load(
+        {
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}},
+            "zero_optimization": {"stage": 3, "stage3_module_classes": ["Block"]},
+        },
+        world_size=2,
+    )
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["train_batch_size"] == 8
+    assert data["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    assert data["zero_optimization"]["overlap_comm"] is True
+    assert load_config(data, world_size=2).to_dict() == data
+
+
+def test_immutability():
+    config = load({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}})
+    with pytest.raises(pydantic.ValidationError):
+        config.gradient_clipping = 2.0
+    with pytest.raises(pydantic.ValidationError):
+        config.zero.stage = 3
+    with pytest.raises(TypeError):
+        config.optimizer.params["lr"] = 1.0
+    assert config.optimizer.params["betas"] == (0.9, 0.95)
+    assert dict(config.optimizer.params)["lr"] == 1e-3
+
+
+# ---- deprecated names ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, old, check",
+    [
+        (
+            {"zero_optimization": {"stage": 2, "cpu_offload": True}},
+            "cpu_offload",
+            lambda c: c.zero.offload_optimizer.device == "cpu",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "cpu_offload_param": True}},
+            "cpu_offload_param",
+            lambda c: c.zero.offload_param.device == "cpu",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "cpu_offload": True,
+                    "cpu_offload_param": True,
+                    "cpu_offload_use_pin_memory": True,
+                }
+            },
+            "cpu_offload_use_pin_memory",
+            lambda c: c.zero.offload_optimizer.pin_memory and c.zero.offload_param.pin_memory,
+        ),
+        (
+            {"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True}},
+            "stage3_gather_fp16_weights_on_model_save",
+            lambda c: c.zero.stage3_gather_16bit_weights_on_model_save,
+        ),
+        ({"bfloat16": {"enabled": True}}, "bfloat16", lambda c: c.bf16.enabled),
+        (
+            {"zero_optimization": {"stage": 2, "cpu_offload": False}},
+            "cpu_offload",
+            lambda c: c.zero.offload_optimizer is None,
+        ),
+    ],
+)
+def test_deprecated_names(extra, old, check):
+    with pytest.warns(FutureWarning) as record:
+        config = load(extra)
+    assert check(config)
+    assert any(f"{old}' is deprecated" in str(w.message) for w in record)
+
+
+def test_deprecated_and_new_name_together_is_error():
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="bf16"):
+        load({"bfloat16": {"enabled": True}, "bf16": {"enabled": True}})
+
+
+def test_unsupported_block_warns_once():
+    with pytest.warns(UserWarning, match="pipeline") as record:
+        config = load({"pipeline": {"enabled": True, "stages": 2}, "amp": {"enabled": False}})
+    assert sum("pipeline" in str(w.message) for w in record) == 1
+    assert not any("'amp'" in str(w.message) for w in record)
+    assert config.pipeline["stages"] == 2
+
+
+def test_zero_plus_plus_keys_warn():
+    with pytest.warns(UserWarning, match="zero_quantized_gradients"):
+        load({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+
+
+# ---- "auto" ----------------------------------------------------------------------------------
+
+
+def test_auto_values_fill_dotted_keys():
+    config = load_config(
+        {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+            "fp16": {"enabled": "auto"},
+        },
+        world_size=2,
+        auto_values={
+            "train_micro_batch_size_per_gpu": 8,
+            "optimizer.params.lr": 1e-3,
+            "gradient_clipping": 0.5,
+            "fp16.enabled": False,
+        },
+    )
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu) == (32, 8)
+    assert config.optimizer.params["lr"] == 1e-3
+    assert config.gradient_clipping == 0.5
+    assert not config.fp16.enabled
+
+
+def test_auto_sizes_from_hidden_size():
+    zero = load_config(
+        {
+            **MICRO,
+            "zero_optimization": {
+                "stage": 3,
+                "reduce_bucket_size": "auto",
+                "stage3_prefetch_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto",
+            },
+        },
+        auto_values={"hidden_size": 768},
+    ).zero
+    assert zero.reduce_bucket_size == 768 * 768
+    assert zero.stage3_prefetch_bucket_size == int(0.9 * 768 * 768)
+    assert zero.stage3_param_persistence_threshold == 7680
+
+
+def test_auto_batch_key_derivable_counts_as_absent():
+    config = load_config(
+        {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+        },
+        world_size=3,
+    )
+    assert config.train_batch_size == 24
+
+
+@pytest.mark.parametrize(
+    "source, key",
+    [
+        (
+            {**MICRO, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+            "optimizer.params.lr",
+        ),
+        ({**MICRO, "zero_optimization": {"reduce_bucket_size": "auto"}}, "reduce_bucket_size"),
+        ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
+        ({**MICRO, "gradient_clipping": "auto"}, "gradient_clipping"),
+    ],
+)
+def test_unresolved_auto_is_error(source, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(source)
+    message = str(info.value)
+    assert key in message and "zero.initialize" in message
