@@ -1,6 +1,6 @@
 """zero: ZeRO distributed training for PyTorch (arXiv 1910.02054).
 
-    engine, optimizer, dataloader, lr_scheduler = zero.initialize(model=model, config="zero2.json")
+engine, optimizer, dataloader, lr_scheduler = zero.initialize(model=model, config="zero2.json")
 """
 
 import logging
@@ -127,15 +127,26 @@ def _auto_values(model, optimizer) -> dict:
         for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
             if key in group:
                 value = group[key]
-                values[f"optimizer.params.{key}"] = list(value) if isinstance(value, tuple) \
-                    else value
+                values[f"optimizer.params.{key}"] = (
+                    list(value) if isinstance(value, tuple) else value
+                )
     return values
 
 
 def _dataloader(dataset, cfg, comm, collate_fn):
     from torch.utils.data import DataLoader, DistributedSampler
 
-    sampler = DistributedSampler(dataset, num_replicas=comm.world_size, rank=comm.rank,
-                                 shuffle=True, drop_last=cfg.dataloader_drop_last)
-    return DataLoader(dataset, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-                      collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=comm.world_size,
+        rank=comm.rank,
+        shuffle=True,
+        drop_last=cfg.dataloader_drop_last,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=cfg.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
+    )

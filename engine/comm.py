@@ -7,7 +7,8 @@ all-reduce of n elements counts 2n (it is a reduce-scatter followed by an all-ga
 one optimizer step this gives 2 Psi for stages 0-2.
 
 A Communicator with world size 1 performs the same operations locally (copies) without any
-process group, so single-process runs take exactly the code path of multi-rank runs.
+process group, so single-process runs take exactly the code path of multi-rank runs; nothing
+crosses a network then, so nothing is counted.
 """
 
 import os
@@ -34,6 +35,7 @@ class CommLedger:
     last_step: dict[str, OpTotals] = field(default_factory=dict)
 
     def record(self, op: str, elements: int, element_size: int) -> None:
+        """Count one collective of `elements` (paper units) of `element_size` bytes each."""
         totals = self.current.setdefault(op, OpTotals())
         totals.calls += 1
         totals.elements += elements
@@ -69,9 +71,13 @@ class Communicator:
         self.world_size = world_size
         self.ledger = CommLedger()
 
+    def _record(self, op: str, elements: int, tensor: torch.Tensor) -> None:
+        if self.world_size > 1:
+            self.ledger.record(op, elements, tensor.element_size())
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         """Sum (op "sum") or maximum (op "max") of `tensor` over the group, in place."""
-        self.ledger.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
+        self._record("all_reduce", 2 * tensor.numel(), tensor)
         if self.world_size == 1:
             return Handle()
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
@@ -85,7 +91,7 @@ class Communicator:
         `output` must hold n = input.numel() / world_size elements of input's dtype.
         """
         assert input.numel() == output.numel() * self.world_size, (input.shape, output.shape)
-        self.ledger.record("reduce_scatter", input.numel(), input.element_size())
+        self._record("reduce_scatter", input.numel(), input)
         if self.world_size == 1:
             output.copy_(input)
             return Handle()
@@ -93,13 +99,15 @@ class Communicator:
             dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
         )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
-        """Concatenate every rank's `input` (n elements) into `output` (world_size * n), rank-major.
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Handle:
+        """Concatenate every rank's `input` (n elements) into `output` (world_size * n elements).
 
         `input` may be rank r's own slice of `output` (in-place gather, no extra buffer).
         """
         assert output.numel() == input.numel() * self.world_size, (output.shape, input.shape)
-        self.ledger.record("all_gather", output.numel(), output.element_size())
+        self._record("all_gather", output.numel(), output)
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
@@ -108,7 +116,7 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Copy `tensor` from group rank `src` to every rank, in place."""
-        self.ledger.record("broadcast", tensor.numel(), tensor.element_size())
+        self._record("broadcast", tensor.numel(), tensor)
         if self.world_size > 1:
             dist.broadcast(tensor, group_src=src, group=self.group)
 
@@ -143,7 +151,9 @@ def read_launch_env() -> LaunchEnv | None:
         except ValueError:
             raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
     if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
-        raise ValueError(f"RANK={values['RANK']} is outside 0..WORLD_SIZE-1={values['WORLD_SIZE'] - 1}")
+        raise ValueError(
+            f"RANK={values['RANK']} is outside 0..WORLD_SIZE-1={values['WORLD_SIZE'] - 1}"
+        )
     return LaunchEnv(values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"])
 
 

@@ -40,8 +40,16 @@ class Engine(torch.nn.Module):
     trainable parameters now view zero's flat low-precision buffers.
     """
 
-    def __init__(self, model, config, comm: Communicator, accelerator: Accelerator,
-                 optimizer=None, model_parameters=None, lr_scheduler=None):
+    def __init__(
+        self,
+        model,
+        config,
+        comm: Communicator,
+        accelerator: Accelerator,
+        optimizer=None,
+        model_parameters=None,
+        lr_scheduler=None,
+    ):
         super().__init__()
         if config.zero.stage == 3:
             raise NotImplementedError(
@@ -50,7 +58,7 @@ class Engine(torch.nn.Module):
         if config.grad_accum_dtype != torch.float32:
             raise NotImplementedError(
                 "data_types.grad_accum_dtype: only fp32 gradient accumulation is implemented; "
-                "remove the key or set it to \"fp32\""
+                'remove the key or set it to "fp32"'
             )
         self.config = config
         self.comm = comm
@@ -97,8 +105,8 @@ class Engine(torch.nn.Module):
     def _config_optimizer(self, model_parameters):
         if self.config.optimizer is None:
             raise ValueError(
-                "no optimizer: give the config an 'optimizer' block ({\"type\": \"AdamW\", "
-                "\"params\": {\"lr\": 1e-3}}) or pass optimizer= to zero.initialize"
+                'no optimizer: give the config an \'optimizer\' block ({"type": "AdamW", '
+                '"params": {"lr": 1e-3}}) or pass optimizer= to zero.initialize'
             )
         params = model_parameters
         if params is None:
@@ -121,11 +129,17 @@ class Engine(torch.nn.Module):
                     named.append((names[id(param)], param))
                     seen.add(id(param))
             groups.append(named)
-        missing = [n for n, p in self.module.named_parameters()
-                   if p.requires_grad and p.numel() > 0 and id(p) not in seen]
+        missing = [
+            n
+            for n, p in self.module.named_parameters()
+            if p.requires_grad and p.numel() > 0 and id(p) not in seen
+        ]
         if missing:
-            source = "the optimizer passed to zero.initialize" if client_optimizer else \
-                "model_parameters"
+            source = (
+                "the optimizer passed to zero.initialize"
+                if client_optimizer
+                else "model_parameters"
+            )
             raise ValueError(
                 f"parameters {missing[:5]} require grad but are in no param group of {source}; "
                 "add them to a group or set requires_grad=False"
@@ -134,8 +148,11 @@ class Engine(torch.nn.Module):
 
     def _build_scheduler(self, lr_scheduler, optimizer):
         if lr_scheduler is not None:
-            return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(
-                lr_scheduler, "step") else lr_scheduler
+            return (
+                lr_scheduler(optimizer)
+                if callable(lr_scheduler) and not hasattr(lr_scheduler, "step")
+                else lr_scheduler
+            )
         if self.config.scheduler is None:
             return None
         return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, optimizer)
@@ -160,7 +177,7 @@ class Engine(torch.nn.Module):
         """Run the model. With fp16.auto_cast, floating-point tensor arguments are cast to fp16."""
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        if torch.is_grad_enabled() and self.module.training:
+        if self.phase is Phase.IDLE and torch.is_grad_enabled() and self.module.training:
             self.phase = Phase.FORWARD
         return self.module(*args, **kwargs)
 
@@ -217,7 +234,10 @@ class Engine(torch.nn.Module):
         if every and self.global_steps % every == 0 and self.comm.rank == 0:
             logger.info(
                 "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%.4g",
-                self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scale,
+                self.global_steps,
+                self.skipped_steps,
+                self.get_lr(),
+                self.loss_scale,
                 self.get_global_grad_norm() or float("nan"),
             )
 
@@ -269,4 +289,3 @@ def _cast_floats(obj, dtype):
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
-

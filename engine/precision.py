@@ -95,4 +95,3 @@ class LossScaler:
         self.scale = float(state["scale"])
         self.hysteresis_left = int(state["hysteresis_left"])
         self.steps_since_change = int(state["steps_since_change"])
-

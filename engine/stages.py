@@ -123,8 +123,9 @@ class ZeroOptimizer:
     Collective: every rank of the data-parallel group constructs it and calls step() together.
     """
 
-    def __init__(self, named_groups, optimizer, layout: FlatLayout, settings, comm, scaler,
-                 compute_dtype):
+    def __init__(
+        self, named_groups, optimizer, layout: FlatLayout, settings, comm, scaler, compute_dtype
+    ):
         self.layout = layout
         self.settings = settings
         self.comm: Communicator = comm
@@ -153,8 +154,9 @@ class ZeroOptimizer:
         shard = self.comm.rank if self.layout.num_shards > 1 else 0
         buckets = []
         for group in range(self.layout.num_groups):
-            flat = torch.zeros(self.layout.group_numel[group], dtype=self.compute_dtype,
-                               device=device)
+            flat = torch.zeros(
+                self.layout.group_numel[group], dtype=self.compute_dtype, device=device
+            )
             for bl in self.layout.group_buckets(group):
                 params = [params_by_name[s.name] for s in bl.slots]
                 view = flat[bl.start : bl.start + bl.padded_numel]
@@ -213,9 +215,7 @@ class ZeroOptimizer:
                 "pass a freshly constructed optimizer"
             )
         for group_index, group in enumerate(self.optimizer.param_groups):
-            group["params"] = [
-                b.master for b in self.buckets if b.layout.group == group_index
-            ]
+            group["params"] = [b.master for b in self.buckets if b.layout.group == group_index]
 
     # ----- backward -----------------------------------------------------------------------
     def start_backward(self, reduce: bool) -> None:
@@ -271,8 +271,9 @@ class ZeroOptimizer:
             if direct:
                 output = bucket.grad_shard
             else:
-                output = torch.empty(bucket.layout.shard_numel, dtype=source.dtype,
-                                     device=source.device)
+                output = torch.empty(
+                    bucket.layout.shard_numel, dtype=source.dtype, device=source.device
+                )
                 bucket.recv = output
             bucket.handle = self.comm.reduce_scatter(output, source, async_op=True)
         self._in_flight.append(bucket)
@@ -385,9 +386,7 @@ class ZeroOptimizer:
             grad += b.grad_shard.numel() * 4
             if b.accum is not None and b.accum is not b.grad_shard:
                 grad += b.accum.numel() * 4
-        master = sum(
-            b.master.numel() * 4 for b in self.buckets if b.master is not b.param_shard
-        )
+        master = sum(b.master.numel() * 4 for b in self.buckets if b.master is not b.param_shard)
         state = 0
         for per_param in self.optimizer.state.values():
             for value in per_param.values():

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--module", action="store_true", help="run script as 'python -m'")
     parser.add_argument("--no_python", action="store_true", help="run script as an executable")
     parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank")
+    parser.add_argument("--parent_pid", type=int, default=None, help="exit when it is gone")
     parser.add_argument("--verbose", action="store_true", help="show the elastic agent's log")
     parser.add_argument("script", help="training script, module or executable")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -151,14 +153,21 @@ def kill_descendants(grace_s: float = 1.0) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
 
 
-def watch_parent(interval_s: float = 0.5) -> None:
-    """Start a daemon thread that sends SIGTERM to this process once its parent is gone."""
-    parent_pid = os.getppid()
+def watch_parent(parent_pid: int | None, interval_s: float = 0.5) -> None:
+    """Start a daemon thread that sends SIGTERM to this process once it is no longer a child of
+    ``parent_pid`` (default: the parent it has now). zrun passes its pid, so that a zrun that died
+    while this agent was still importing torch is noticed too."""
+    if parent_pid is None:
+        parent_pid = os.getppid()
 
     def _watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(interval_s)
-        os.kill(os.getpid(), signal.SIGTERM)
+        # Repeat: a signal that lands while the elastic agent is still starting can be swallowed
+        # by its retry loops; a later one reaches its handler once the ranks run.
+        while True:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2.0)
 
     threading.Thread(target=_watch, name="zrun-parent-watch", daemon=True).start()
 
@@ -198,7 +207,7 @@ def first_failure(error: ChildFailedError, args: argparse.Namespace) -> RankFail
     return RankFailure(rank, failure.local_rank, args.node_rank, args.node_name, failure.exitcode)
 
 
-def run_ranks(args: argparse.Namespace) -> int:
+def run_ranks(args: argparse.Namespace, work_dir: str) -> int:
     """Start, watch and end this node's ranks; returns the node's exit code.
 
     0 when every rank succeeded; the first failed rank's code (128 + N for a rank killed by
@@ -207,8 +216,7 @@ def run_ranks(args: argparse.Namespace) -> int:
     _quiet_elastic_logs(args.verbose)
     command = rank_command(args, macros.local_rank)
     try:
-        with tempfile.TemporaryDirectory(prefix="zrun-agent-") as work_dir:
-            elastic_launch(_launch_config(args, work_dir), command[0])(*command[1:])
+        elastic_launch(_launch_config(args, work_dir), command[0])(*command[1:])
     except ChildFailedError as error:
         failure = first_failure(error, args)
         print(f"zrun: {failure.describe()}", file=sys.stderr, flush=True)
@@ -236,14 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
-    # Until the elastic agent installs its own handlers, a signal must still stop the launch.
-    for signum in _HANDLED_SIGNALS:
-        signal.signal(signum, _raise_signal_exception)
-    configure_environment(args)
-    become_subreaper()
-    watch_parent()
+    work_dir = tempfile.mkdtemp(prefix="zrun-agent-")
     try:
-        return run_ranks(args)
+        # Until the elastic agent installs its own handlers, a signal must still stop the launch.
+        for signum in _HANDLED_SIGNALS:
+            signal.signal(signum, _raise_signal_exception)
+        configure_environment(args)
+        become_subreaper()
+        watch_parent(args.parent_pid)
+        return run_ranks(args, work_dir)
     except SignalException as error:
         return 128 + int(error.sigval)
     except Exception as error:
@@ -256,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         for signum in _HANDLED_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
         kill_descendants()
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ def agent_command(layout: WorldLayout, node: NodeSpec, job: JobSpec) -> list[str
     command += ["--nproc_per_node", str(node.num_slots), "--node_name", node.host]
     command += ["--master_addr", layout.master_addr, "--master_port", str(layout.master_port)]
     command += ["--run_id", job.run_id, "--shutdown_timeout", str(job.shutdown_timeout)]
+    if is_local_host(node.host):
+        command += ["--parent_pid", str(os.getpid())]
     if node.slot_ids != tuple(range(node.num_slots)):
         command += ["--device_ids", ",".join(str(s) for s in node.slot_ids)]
     if job.log_dir:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pydantic
 import pytest
 import torch
+
 from zero.config import Config, ConfigError, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))

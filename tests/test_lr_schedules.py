@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from zero.lr_schedules import (
     LRRangeTest,
     OneCycle,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from zero.optim import build_optimizer, resolve_optimizer, supported_optimizer_types
 
 

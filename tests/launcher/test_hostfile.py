@@ -4,6 +4,7 @@ import os
 import socket
 
 import pytest
+
 from zero.launcher import agent
 from zero.launcher.hostfile import parse_host_filter, parse_hostfile, select_resources
 from zero.launcher.runner import JobSpec, agent_command, check_local_only

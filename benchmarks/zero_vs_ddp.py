@@ -1,0 +1,320 @@
+"""ZeRO stages 0-2 against torch DistributedDataParallel, side by side, in one spawned group.
+
+    python benchmarks/zero_vs_ddp.py --n_layer 4 --n_embd 256 --block_size 128 --micro_batch 8 \
+        --steps 20 --warmup 3 --world_size 2
+
+Spawns `world_size` gloo ranks (CPU processes) once; every rank then runs each configuration in
+sequence on the GPT of examples/gpt.py with random byte tokens (the same model initialization and
+the same per-rank batches for every configuration). Per configuration it records:
+
+- communication per optimizer step (engine.comm_stats(), elements in the paper's units: an
+  all-reduce counts twice its size) divided by Psi, the trainable parameter count with the tied
+  embedding counted once; the paper's target is 2 Psi for stages 0-2 (ZeRO, section 7);
+- padding overhead of the flat layout (padded elements / parameter elements - 1);
+- model-state bytes per rank (engine.model_state_bytes()) beside the paper's formula for that
+  stage and precision (see `formula` below for which formula each row uses);
+- the median step time (forward + backward + optimizer step of one micro-batch) over --steps
+  steps after --warmup steps, beside DDP + torch.optim.AdamW with the same hyper-parameters,
+  gradient clipping and data, measured in the same run.
+
+Rank 0 prints a markdown table (the results land in docs/performance.md). This is a measurement
+script, not a test: nothing here asserts on time.
+"""
+
+import argparse
+import gc
+import inspect
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+import zero  # noqa: E402
+
+# (stage, dtype name) per row; the DDP baseline of a row runs in the same precision.
+RUNS = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")]
+LR = 1e-4
+CLIP = 1.0
+
+
+@dataclass
+class Row:
+    stage: int
+    dtype: str
+    psi: int
+    comm_elements: int
+    padding: float
+    state: dict
+    step_ms: float
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--n_head", type=int, default=4)
+    parser.add_argument("--n_embd", type=int, default=256)
+    parser.add_argument("--block_size", type=int, default=128)
+    parser.add_argument("--micro_batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--world_size", type=int, default=2)
+    parser.add_argument(
+        "--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16 to run"
+    )
+    parser.add_argument(
+        "--bf16_steps",
+        type=int,
+        default=None,
+        help="timed steps of the bf16 rows; default --steps where the CPU has native bf16 "
+        "matmul (avx512_bf16/amx_bf16) or a GPU is used, else 1 (emulated bf16 GEMM is ~70x "
+        "slower than fp32, so more steps would take minutes and measure only that)",
+    )
+    parser.add_argument(
+        "--reduce_bucket_size", type=int, default=500_000, help="elements per gradient bucket"
+    )
+    parser.add_argument(
+        "--allgather_bucket_size",
+        type=int,
+        default=1_000_000,
+        help="elements all-gathered at once after the step (two buckets in flight by default)",
+    )
+    return parser.parse_args(argv)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ----- workload ---------------------------------------------------------------------------------
+def build_model(args) -> GPT:
+    """The same initialization on every rank and for every configuration."""
+    torch.manual_seed(0)
+    return GPT(
+        GPTConfig(
+            n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size
+        )
+    )
+
+
+def make_batches(args, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random byte tokens, different per rank, identical across configurations."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    batches = []
+    for _ in range(args.warmup + args.steps):
+        tokens = torch.randint(0, 256, (args.micro_batch, args.block_size + 1), generator=g)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
+
+
+def zero_config(args, stage: int, dtype: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": args.reduce_bucket_size,
+            "allgather_bucket_size": args.allgather_bucket_size,
+            "overlap_comm": True,
+        },
+    }
+
+
+def timed_steps(step_fn, batches, warmup: int) -> float:
+    """Median milliseconds of step_fn over batches[warmup:]; a barrier precedes every clock read,
+    so a step ends when the slowest rank has finished it."""
+    times = []
+    for i, (x, y) in enumerate(batches):
+        dist.barrier()
+        start = time.perf_counter()
+        step_fn(x, y)
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return 1000.0 * statistics.median(times)
+
+
+# ----- the two contestants ----------------------------------------------------------------------
+def run_zero(args, stage: int, dtype: str, batches) -> tuple[Row, dict]:
+    model = build_model(args)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # tied weight once
+    engine, _, _, _ = zero.initialize(model=model, config=zero_config(args, stage, dtype))
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+    step_ms = timed_steps(step, batches, args.warmup)
+    layout = engine.optimizer.layout
+    assert layout.numel == psi, (layout.numel, psi)
+    comm = engine.comm_stats()
+    row = Row(
+        stage=stage,
+        dtype=dtype,
+        psi=psi,
+        comm_elements=sum(op["elements"] for op in comm.values()),
+        padding=layout.padded_numel / layout.numel - 1.0,
+        state=engine.model_state_bytes(),
+        step_ms=step_ms,
+    )
+    hyper = dict(engine.optimizer.param_groups[0])
+    info = {"comm": comm, "num_buckets": len(layout.buckets), "hyper": hyper}
+    del engine, model
+    gc.collect()
+    return row, info
+
+
+def run_ddp(args, dtype: str, batches, hyper: dict) -> float:
+    """DDP + torch.optim.AdamW (zero's resolved hyper-parameters) + clip_grad_norm_. bf16 is
+    torch's mixed precision: fp32 parameters and optimizer, bf16 autocast in forward."""
+    model = build_model(args)
+    bucket_mb = args.reduce_bucket_size * 4 / 2**20
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    accepted = inspect.signature(torch.optim.AdamW).parameters
+    kwargs = {k: v for k, v in hyper.items() if k in accepted and k != "params"}
+    optimizer = torch.optim.AdamW(ddp.parameters(), **kwargs)
+
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = ddp(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step_ms = timed_steps(step, batches, args.warmup)
+    del ddp, model, optimizer
+    gc.collect()
+    return step_ms
+
+
+# ----- the paper's numbers ----------------------------------------------------------------------
+def formula(stage: int, dtype: str, n: int) -> tuple[float, str]:
+    """Model-state bytes per parameter per rank that the row is compared with, and its name.
+
+    bf16 (mixed precision, K = 12: fp32 master, m, v): the paper's stage formulas with fp32
+    gradient accumulation, i.e. a 4-byte gradient term instead of 2 (zero accumulates in fp32).
+    fp32: the analogue with no separate master copy (the fp32 parameters are the master), so
+    parameters 4, gradients 4, Adam m and v 8 bytes; stage 1 shards the 8, stage 2 the 4 + 8.
+    """
+    if dtype == "bf16":
+        table = {
+            0: (2 + 4 + 12, "2+4+12 = 18 (DP 16 Psi, fp32 grad)"),
+            1: (2 + 4 + 12 / n, "2+4+12/N (stage 1, fp32 grad)"),
+            2: (2 + (4 + 12) / n, "2+(4+12)/N (stage 2, fp32 grad)"),
+        }
+    else:
+        table = {
+            0: (4 + 4 + 8, "4+4+8 = 16 (fp32 DP)"),
+            1: (4 + 4 + 8 / n, "4+4+8/N (fp32 stage 1)"),
+            2: (4 + (4 + 8) / n, "4+(4+8)/N (fp32 stage 2)"),
+        }
+    return table[stage]
+
+
+def print_report(args, rows, ddp_ms, infos, threads) -> None:
+    n = args.world_size
+    print(
+        f"machine: {available_cores()} cores, torch {torch.__version__}, world size {n} (gloo), "
+        f"{threads} intra-op thread(s) per rank"
+    )
+    print(
+        f"model: GPT n_layer={args.n_layer} n_head={args.n_head} n_embd={args.n_embd} "
+        f"block_size={args.block_size} vocab=256, micro-batch {args.micro_batch}; "
+        f"steps {args.steps} timed after {args.warmup} warm-up"
+    )
+    print(
+        f"buckets: reduce_bucket_size={args.reduce_bucket_size} elements "
+        f"({infos[0]['num_buckets']} buckets), allgather_bucket_size="
+        f"{args.allgather_bucket_size} elements; DDP bucket_cap_mb="
+        f"{args.reduce_bucket_size * 4 / 2**20:.2f} (same bytes as a fp32 gradient bucket)"
+    )
+    print()
+    print(
+        "| stage | dtype | Psi | comm elements/Psi | padding % | model-state bytes/rank "
+        "| paper formula bytes (bytes/Psi) | measured/formula | step ms | DDP step ms "
+        "| zero/DDP |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        per_psi, name = formula(row.stage, row.dtype, n)
+        measured = sum(row.state.values())
+        expected = per_psi * row.psi
+        ddp = ddp_ms[row.dtype]
+        print(
+            f"| {row.stage} | {row.dtype} | {row.psi:,} | {row.comm_elements / row.psi:.4f} "
+            f"| {100 * row.padding:.4f} | {measured:,} | {expected:,.0f} ({name}) "
+            f"| {measured / expected:.4f} | {row.step_ms:.1f} | {ddp:.1f} "
+            f"| {row.step_ms / ddp:.3f} |"
+        )
+    print()
+    print("model-state bytes per rank by kind, and collectives of the last step:")
+    for row, info in zip(rows, infos):
+        kinds = ", ".join(f"{k} {v:,}" for k, v in row.state.items())
+        ops = ", ".join(
+            f"{op} {t['calls']} calls / {t['elements']:,} el" for op, t in info["comm"].items()
+        )
+        print(f"- stage {row.stage} {row.dtype}: {kinds}; {ops}")
+
+
+# ----- per rank ---------------------------------------------------------------------------------
+def worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    n = args.world_size
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(n),
+        LOCAL_WORLD_SIZE=str(n),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    threads = max(1, available_cores() // n)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    try:
+        batches = make_batches(args, rank)
+        rows, infos, ddp_ms = [], [], {}
+        for stage, dtype in RUNS:
+            row, info = run_zero(args, stage, dtype, batches)
+            rows.append(row)
+            infos.append(info)
+            if dtype not in ddp_ms:
+                ddp_ms[dtype] = run_ddp(args, dtype, batches, info["hyper"])
+        if rank == 0:
+            print_report(args, rows, ddp_ms, infos, threads)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    mp.spawn(worker, args=(args, free_port()), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

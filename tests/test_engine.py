@@ -1,0 +1,182 @@
+"""Engine semantics in one process: the DeepSpeed-style loop, its counters and its errors."""
+
+import pytest
+import torch
+
+import zero
+from zero.precision import LossScaler
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 3)
+        self.b = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+def base_config(**overrides):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def test_loop_counters_and_boundary():
+    engine, optimizer, loader, sched = zero.initialize(model=Tiny(), config=base_config())
+    assert type(optimizer.optimizer) is torch.optim.AdamW  # DeepSpeed: "Adam" means AdamW
+    assert loader is None and sched is None
+    boundaries = []
+    for _ in range(4):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(torch.randn(2, 5)))
+        engine.step()
+    assert boundaries == [False, True, False, True]
+    assert engine.global_steps == 2 and engine.global_samples == 8 and engine.skipped_steps == 0
+    assert engine.was_step_applied() and engine.get_global_grad_norm() > 0
+    assert engine.get_lr() == [1e-2]
+
+
+def test_adam_w_mode_false_gives_adam():
+    cfg = base_config(optimizer={"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}})
+    _, optimizer, _, _ = zero.initialize(model=Tiny(), config=cfg)
+    assert type(optimizer.optimizer) is torch.optim.Adam
+
+
+def test_backward_twice_is_an_error():
+    engine, _, _, _ = zero.initialize(model=Tiny(), config=base_config())
+    engine.backward(engine(torch.randn(2, 5)))
+    with pytest.raises(RuntimeError, match="called twice"):
+        engine.backward(engine(torch.randn(2, 5)))
+
+
+def test_plain_loss_backward_is_an_error_naming_the_parameter():
+    engine, _, _, _ = zero.initialize(model=Tiny(), config=base_config())
+    with pytest.raises(RuntimeError, match=r"parameter 'b\.(weight|bias)'.*engine.backward"):
+        engine(torch.randn(2, 5)).backward()
+
+
+def test_step_without_backward_is_an_error():
+    engine, _, _, _ = zero.initialize(model=Tiny(), config=base_config())
+    with pytest.raises(RuntimeError, match="without engine.backward"):
+        engine.step()
+
+
+def test_client_optimizer_keeps_groups_and_scheduler():
+    model = Tiny()
+    opt = torch.optim.SGD(
+        [{"params": model.a.parameters(), "lr": 0.1}, {"params": model.b.parameters()}],
+        lr=0.01,
+        momentum=0.9,
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine, optimizer, _, lr_scheduler = zero.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=base_config(optimizer=None)
+    )
+    assert optimizer.optimizer is opt and lr_scheduler is sched
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 5)))
+        engine.step()
+    assert engine.get_lr() == [0.05, 0.005]
+
+
+def test_scheduler_callable_and_config_scheduler():
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    engine, _, _, sched = zero.initialize(
+        model=model,
+        optimizer=opt,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5**s),
+        config=base_config(optimizer=None, gradient_accumulation_steps=1),
+    )
+    engine.backward(engine(torch.randn(2, 5)))
+    engine.step()
+    assert engine.get_lr() == [0.5]
+    cfg = base_config(
+        scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}}
+    )
+    _, _, _, sched = zero.initialize(model=Tiny(), config=cfg)
+    assert type(sched).__name__ == "WarmupLR"
+
+
+def test_frozen_only_group_and_missing_parameter():
+    model = Tiny()
+    model.a.requires_grad_(False)
+    opt = torch.optim.AdamW(
+        [{"params": model.a.parameters()}, {"params": model.b.parameters()}], lr=1e-2
+    )
+    engine, _, _, _ = zero.initialize(model=model, optimizer=opt, config=base_config())
+    before = model.a.weight.detach().clone()
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 5)))
+        engine.step()
+    assert torch.equal(model.a.weight, before)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.b.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"a\.weight.*no param group"):
+        zero.initialize(model=model, optimizer=opt, config=base_config())
+
+
+def test_training_data_gives_distributed_loader():
+    data = torch.utils.data.TensorDataset(torch.randn(10, 5))
+    _, _, loader, _ = zero.initialize(model=Tiny(), training_data=data, config=base_config())
+    assert loader.batch_size == 2 and len(loader) == 5
+
+
+def test_stage3_and_missing_config_errors():
+    with pytest.raises(NotImplementedError, match="stage 3"):
+        zero.initialize(model=Tiny(), config=base_config(zero_optimization={"stage": 3}))
+    with pytest.raises(ValueError, match="no config"):
+        zero.initialize(model=Tiny())
+    with pytest.raises(ValueError, match="no optimizer"):
+        zero.initialize(model=Tiny(), config=base_config(optimizer=None))
+
+
+def test_bad_config_fails_before_model_is_touched():
+    model = Tiny()
+    before = model.a.weight.data_ptr()
+    with pytest.raises(zero.ConfigError, match="zero_optimization.stage"):
+        zero.initialize(model=model, config=base_config(zero_optimization={"stage": 4}))
+    assert model.a.weight.data_ptr() == before
+
+
+def test_fp16_auto_cast_and_bf16_dtypes():
+    seen = {}
+
+    class Probe(Tiny):
+        def forward(self, x):
+            seen["dtype"] = x.dtype
+            return super().forward(x)
+
+    cfg = base_config(fp16={"enabled": True, "auto_cast": True})
+    engine, _, _, _ = zero.initialize(model=Probe(), config=cfg)
+    engine(torch.randn(2, 5))
+    assert seen["dtype"] == torch.float16 and engine.loss_scale == 2.0**16
+    engine, _, _, _ = zero.initialize(model=Tiny(), config=base_config(bf16={"enabled": True}))
+    assert engine.module.a.weight.dtype == torch.bfloat16
+
+
+def test_loss_scaler_hysteresis_window_and_minimum():
+    s = LossScaler(scale=8.0, dynamic=True, window=2, hysteresis=2, min_scale=2.0)
+    s.update(overflow=True)
+    assert s.scale == 8.0  # first overflow uses up hysteresis
+    s.update(overflow=True)
+    assert s.scale == 4.0
+    s.update(overflow=True)
+    assert s.scale == 2.0
+    s.update(overflow=True)  # at the minimum: stays, the step is skipped by the engine
+    assert s.scale == 2.0
+    s.update(overflow=False)
+    s.update(overflow=False)
+    assert s.scale == 4.0  # window of 2 clean steps doubles it
+    static = LossScaler(scale=128.0)
+    static.update(overflow=True)
+    assert static.scale == 128.0
