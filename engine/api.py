@@ -67,6 +67,7 @@ def initialize(
     if launch is not None and dist_init_required is not False:
         init_process_group(accelerator.backend, launch)
     comm = _data_parallel_comm(mpu)
+    _default_logging(comm.rank)
     if mpu is not None:
         cfg = load_config(source, world_size=comm.world_size, auto_values=auto)
     engine = Engine(model, cfg, comm, accelerator, optimizer, model_parameters, lr_scheduler)
@@ -92,6 +93,18 @@ def _config_source(args, config, config_params):
             "no config: pass config='zero2.json' (a path, dict or zero.Config) to zero.initialize"
         )
     return source
+
+
+def _default_logging(rank: int) -> None:
+    """Give the "zero" logger a stderr handler (INFO on rank 0, WARNING elsewhere) unless the
+    application configured one."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[zero rank {rank}] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
 
 
 def _launch_world_size(launch) -> int:

@@ -12,9 +12,10 @@ import random
 import time
 
 import torch
-import zero
 from data import ByteDataset, load_corpus
 from gpt import GPT, GPTConfig
+
+import zero
 
 
 def parse_args() -> argparse.Namespace:
