@@ -1,4 +1,44 @@
+import os
+import sys
+from importlib.util import module_from_spec, spec_from_file_location
+
 from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.command.develop import develop
+
+
+def _prebuild_ops():
+    """ZERO_BUILD_OPS=1: compile every compatible op into the cache now (see docs/ops.md).
+
+    Loads ops/builder.py by path (zero is not importable yet). Needs torch in the build
+    environment: install with `pip install --no-build-isolation`.
+    """
+    if os.environ.get("ZERO_BUILD_OPS") != "1":
+        return
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.exit("ZERO_BUILD_OPS=1 needs torch at build time: pip install --no-build-isolation")
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = spec_from_file_location("_zero_op_builder", os.path.join(here, "ops", "builder.py"))
+    builder = module_from_spec(spec)
+    sys.modules[spec.name] = builder
+    spec.loader.exec_module(builder)
+    for name, result in builder.build_all(verbose=True).items():
+        print(f"zero: op {name}: {result}")
+
+
+class BuildPyWithOps(build_py):
+    def run(self):
+        super().run()
+        _prebuild_ops()
+
+
+class DevelopWithOps(develop):
+    def run(self):
+        super().run()
+        _prebuild_ops()
+
 
 setup(
     name="zero",
@@ -7,6 +47,8 @@ setup(
     python_requires=">=3.10",
     packages=["zero", "zero.launcher", "zero.ops"],
     package_dir={"zero": "engine", "zero.launcher": "launcher", "zero.ops": "ops"},
+    # The op sources compile on first use (JIT), so they ship with the package.
+    package_data={"zero.ops": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"]},
     install_requires=[
         # Pinned so a machine without a GPU takes the local CPU wheel; see README for other builds.
         "torch==2.13.0",
@@ -20,6 +62,9 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"]},
-    entry_points={"console_scripts": ["zrun=zero.launcher:main"]},
+    entry_points={
+        "console_scripts": ["zrun=zero.launcher:main", "zero-report=zero.ops.report:main"]
+    },
+    cmdclass={"build_py": BuildPyWithOps, "develop": DevelopWithOps},
     scripts=[],
 )

@@ -135,26 +135,48 @@ class LaunchEnv:
 
 
 def read_launch_env() -> LaunchEnv | None:
-    """Read RANK, LOCAL_RANK and WORLD_SIZE; None when not started by a launcher.
+    """Read the rank layout a launcher set; None when not started by a launcher.
+
+    The first set of variables present wins: RANK, WORLD_SIZE, LOCAL_RANK (zrun, torchrun);
+    OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK (``mpirun python train.py``); SLURM_PROCID,
+    SLURM_NTASKS, SLURM_LOCALID (``srun python train.py``). For the last two, unset rendezvous
+    variables are filled in os.environ for the env:// rendezvous: MASTER_ADDR with the first host
+    of SLURM_JOB_NODELIST (SLURM only; ``scontrol show hostnames`` when available), MASTER_PORT
+    with 29500.
 
     Raises ValueError naming the variable when one is set but malformed or inconsistent.
     """
-    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+    sources = (
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    )
+    names = next((n for n in sources if n[0] in os.environ or n[1] in os.environ), None)
+    if names is None:
         return None
+    rank_name, size_name, local_name = names
     values = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        raw = os.environ.get(name, "0" if name == "LOCAL_RANK" else None)
+    for name in names:
+        raw = os.environ.get(name, "0" if name == local_name else None)
         if raw is None:
-            raise ValueError(f"environment variable {name} is not set but RANK/WORLD_SIZE are")
+            raise ValueError(
+                f"environment variable {name} is not set but {rank_name}/{size_name} are"
+            )
         try:
             values[name] = int(raw)
         except ValueError:
             raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
-    if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
+    if not 0 <= values[rank_name] < values[size_name]:
         raise ValueError(
-            f"RANK={values['RANK']} is outside 0..WORLD_SIZE-1={values['WORLD_SIZE'] - 1}"
+            f"{rank_name}={values[rank_name]} is outside 0..{size_name}-1={values[size_name] - 1}"
         )
-    return LaunchEnv(values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"])
+    if rank_name != "RANK":
+        if "MASTER_ADDR" not in os.environ and "SLURM_JOB_NODELIST" in os.environ:
+            from zero.launcher.nodelist import first_host  # only SLURM jobs need the parser
+
+            os.environ["MASTER_ADDR"] = first_host(os.environ["SLURM_JOB_NODELIST"])
+        os.environ.setdefault("MASTER_PORT", "29500")
+    return LaunchEnv(values[rank_name], values[local_name], values[size_name])
 
 
 def init_process_group(backend: str, env: LaunchEnv) -> None:

@@ -13,6 +13,7 @@ the first (sum the losses and call backward once).
 
 import enum
 import logging
+import os
 
 import torch
 
@@ -240,6 +241,48 @@ class Engine(torch.nn.Module):
                 self.loss_scale,
                 self.get_global_grad_norm() or float("nan"),
             )
+
+    # ----- checkpoints (engine/checkpoint.py) --------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+        """Write a sharded checkpoint to save_dir/tag (default tag: global_step{N}).
+
+        Collective: every rank must call it. Each rank writes only the fp32 master weights and
+        optimizer state it owns (safetensors); rank 0 adds meta.json and the unpartitioned
+        tensors. The write is atomic: `latest` names the new tag only once every file is complete.
+        Raises CheckpointError (a ValueError) when client_state is not JSON-serializable, before
+        anything is written. Returns the checkpoint directory.
+        """
+        from . import checkpoint
+
+        return checkpoint.save(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
+        """Load save_dir/tag (default: the tag in `latest`), saved on any world size and stage.
+
+        Collective: every rank must call it; each rank reads only the ranges it owns now.
+        Returns (checkpoint directory, client_state). Raises CheckpointError naming the file and
+        the key for a missing or truncated file or a model that does not fit, before any state
+        is modified.
+        """
+        from . import checkpoint
+
+        return checkpoint.load(
+            self,
+            os.fspath(load_dir),
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
 
     # ----- DeepSpeed-compatible queries ---------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

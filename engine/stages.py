@@ -321,7 +321,7 @@ class ZeroOptimizer:
         if not overflow:
             self._clip(shards, norm)
             self.optimizer.step()
-            self._all_gather_params()
+            self.refresh_params()
         self.scaler.update(bool(overflow), self.comm.rank)
         self.zero_grad()
         return not overflow
@@ -343,9 +343,9 @@ class ZeroOptimizer:
                 for shard in shards:
                     shard.mul_(coef)
 
-    def _all_gather_params(self) -> None:
-        """Write updated owned slices into the parameter buffers and all-gather every bucket,
-        with at most allgather_numel elements in flight."""
+    def refresh_params(self) -> None:
+        """Write the owned master slices into the parameter buffers and all-gather every bucket,
+        with at most allgather_numel elements in flight. Collective."""
         pending: deque[tuple[Handle, int]] = deque()
         in_flight = 0
         for bucket in self.buckets:

@@ -6,7 +6,10 @@ their cases inside it.
 
 import multiprocessing as mp
 import os
+import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 
 
@@ -29,7 +32,9 @@ def _child(fn, rank, world_size, port, args, queue):
 
     torch.set_num_threads(1)
     try:
-        queue.put((rank, True, fn(*args)))
+        # Plain pickle copies tensors; the queue's own reducer would share them by file
+        # descriptor, which dies with this process.
+        queue.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -39,12 +44,25 @@ def _child(fn, rank, world_size, port, args, queue):
             dist.destroy_process_group()
 
 
+def _dead_without_result(procs, results) -> bool:
+    return any(r not in results and p.exitcode is not None for r, p in enumerate(procs))
+
+
+def _raise_missing(procs, results, timeout):
+    for rank, proc in enumerate(procs):
+        if rank not in results and proc.exitcode is not None:
+            raise RuntimeError(f"rank {rank} exited with code {proc.exitcode} without a result")
+    missing = sorted(set(range(len(procs))) - set(results))
+    raise RuntimeError(f"ranks {missing} did not finish within {timeout} s")
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """Call fn(*args) on `world_size` spawned ranks with RANK/WORLD_SIZE/MASTER_* set.
 
     fn must be a module-level function; it may call zero.initialize (which creates the gloo group)
     any number of times. Returns the results ordered by rank. Raises RuntimeError with the failing
-    rank's traceback, or on timeout; every rank is terminated either way.
+    rank's traceback, when a rank exits without a result, or on timeout; every rank is
+    terminated either way.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -56,20 +74,28 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     for proc in procs:
         proc.start()
     results = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:
             try:
-                rank, ok, value = queue.get(timeout=timeout)
-            except Exception:
-                raise RuntimeError(
-                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
-                    f"within {timeout} s"
-                ) from None
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # A rank may have exited just after queueing its result: look once more.
+                if _dead_without_result(procs, results) or time.monotonic() > deadline:
+                    try:
+                        rank, ok, value = queue.get(timeout=5.0)
+                    except queue_module.Empty:
+                        _raise_missing(procs, results, timeout)
+                else:
+                    continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
+        failed = len(results) < world_size
         for proc in procs:
+            if failed and proc.is_alive():
+                proc.kill()  # peers of a failed rank may wait in a collective forever
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()

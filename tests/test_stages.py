@@ -44,6 +44,7 @@ class Net(torch.nn.Module):
 def param_groups(model):
     decay = [model.embed.weight, model.proj.weight, model.extra.weight, model.out.weight]
     no_decay = [model.proj.bias, model.extra.bias, model.norm.weight, model.norm.bias, model.empty]
+    no_decay = [p for p in no_decay if p is not None]
     return [
         {"params": decay, "weight_decay": 0.1},
         {"params": no_decay, "weight_decay": 0.0, "lr": 2e-2},

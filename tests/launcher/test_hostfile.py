@@ -7,7 +7,7 @@ import pytest
 
 from zero.launcher import agent
 from zero.launcher.hostfile import parse_host_filter, parse_hostfile, select_resources
-from zero.launcher.runner import JobSpec, agent_command, check_local_only
+from zero.launcher.runner import JobSpec, agent_command
 from zero.launcher.world import build_layout, is_local_host
 
 
@@ -38,7 +38,10 @@ def test_parse_good_hostfile_keeps_order_and_skips_comments(tmp_path):
         ("worker-1 slots=0", "slots must be > 0"),
         ("worker-1 slots=-2", "slots must be > 0"),
         ("worker-1 slots=2 extra", "expected 'hostname slots=N'"),
-        ("worker-0 slots=1", "listed twice"),
+        ("worker-0 slots=1", "listed twice (lines 2 and 3)"),
+        ("worker-1 lots=2", "did you mean 'slots=2' instead of 'lots=2'?"),
+        ("worker-1 slot=2", "did you mean 'slots=2'"),
+        ("-oProxyCommand=x slots=2", "starts with '-'"),
     ],
 )
 def test_bad_line_names_file_line_number_and_line(tmp_path, bad_line, reason):
@@ -117,12 +120,6 @@ def test_local_host_detection():
     assert is_local_host("127.0.0.2")
     assert is_local_host(socket.gethostname())
     assert not is_local_host("no-such-node.invalid")
-
-
-def test_remote_host_is_not_implemented_yet():
-    layout = build_layout({"localhost": [0], "no-such-node.invalid": [0]}, "127.0.0.1", 29500)
-    with pytest.raises(NotImplementedError, match="'no-such-node.invalid'.*not available yet"):
-        check_local_only(layout)
 
 
 def test_agent_command_passes_layout_and_script_args():

@@ -111,7 +111,13 @@ def test_missing_hostfile_is_an_error_not_a_local_run(tmp_path, capsys):
     assert f"hostfile '{missing}' does not exist" in capsys.readouterr().err
 
 
-def test_remote_host_is_refused_with_its_name(tmp_path, capsys):
+def test_unreachable_host_is_an_error_with_ssh_message_before_anything_starts(tmp_path, capsys):
     hostfile = write(tmp_path, "hosts", "localhost slots=1\nno-such-node.invalid slots=1\n")
-    assert main(["--hostfile", hostfile, "train.py"]) == 2
-    assert "'no-such-node.invalid'" in capsys.readouterr().err
+    assert main(["--hostfile", hostfile, "--ssh_port", "2299", str(tmp_path / "train.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zrun: error: cannot reach host over ssh")
+    assert "'no-such-node.invalid': ssh: Could not resolve hostname no-such-node.invalid" in err
+    assert "ssh -p 2299 HOST true" in err
+    # No sshd listens on port 2299 here: every node is checked, each with ssh's own words.
+    assert "'localhost': ssh: connect to host localhost port 2299: Connection refused" in err
+    assert_nothing_left(str(tmp_path))

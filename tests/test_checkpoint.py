@@ -1,0 +1,302 @@
+"""Sharded checkpoints: resume across world sizes 4 -> 2 -> 3 -> 1 equals an uninterrupted
+single-process reference; atomic save; corrupted and mismatched checkpoints; consolidation."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+from test_stages import VOCAB, Net, param_groups
+
+import zero
+from zero.checkpoint import CheckpointError, consolidate
+from zero.lr_schedules import build_scheduler
+
+GLOBAL_BATCH, SEQ, STEPS_PER_RUN = 12, 5, 2
+CHAIN = (4, 2, 3, 1)
+SCHED = {
+    "type": "WarmupLR",
+    "params": {
+        "warmup_min_lr": 1e-3,
+        "warmup_max_lr": 1e-2,
+        "warmup_num_steps": 20,
+        "warmup_type": "linear",
+    },
+}
+
+
+def global_batches(steps):
+    g = torch.Generator().manual_seed(7)
+    return [
+        (
+            torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+class SubgroupMPU:
+    """A data-parallel group made of the first `size` ranks (Megatron-style mpu interface)."""
+
+    def __init__(self, group, size):
+        import torch.distributed as dist
+
+        self.group, self.size, self.rank = group, size, dist.get_rank()
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_rank(self):
+        return self.rank
+
+    def get_data_parallel_world_size(self):
+        return self.size
+
+
+def make_engine(stage, dtype="fp32", bucket=40, model=None, mpu=None):
+    torch.manual_seed(0)
+    model = model or Net()
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "scheduler": SCHED,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.99))
+    engine, _, _, _ = zero.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
+    return engine
+
+
+def train(engine, batches):
+    micro = GLOBAL_BATCH // engine.world_size
+    rows = slice(engine.rank * micro, (engine.rank + 1) * micro)
+    for x, y in batches:
+        engine.backward(engine(x[rows], y[rows]))
+        engine.step()
+
+
+def chain(root, cases):
+    """On 4 spawned ranks, run the chain's world sizes as data-parallel subgroups of the first
+    ranks: each link loads the previous link's checkpoint, trains, and saves."""
+    import torch.distributed as dist
+
+    zero.initialize(
+        model=Net(),
+        config={
+            "train_batch_size": GLOBAL_BATCH,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
+    groups = [dist.new_group(list(range(size))) for size in CHAIN]
+    links = []
+    for index, size in enumerate(CHAIN):
+        if dist.get_rank() < size:
+            links.append(chain_link(root, index, cases, SubgroupMPU(groups[index], size)))
+        dist.barrier()
+    return links
+
+
+def chain_link(root, index, cases, mpu):
+    batches = global_batches(STEPS_PER_RUN * len(CHAIN))
+    out = {}
+    for stage, dtype in cases:
+        save_dir = os.path.join(root, f"stage{stage}-{dtype}")
+        engine = make_engine(stage, dtype, bucket=40 if index % 2 else 10**6, mpu=mpu)
+        client = {"link": index}
+        if index > 0:
+            _, client = engine.load_checkpoint(save_dir)
+            assert client == {"link": index - 1, "note": "x"}
+        train(engine, batches[index * STEPS_PER_RUN : (index + 1) * STEPS_PER_RUN])
+        engine.save_checkpoint(save_dir, client_state={"link": index, "note": "x"})
+        out[(stage, dtype)] = {
+            "global_steps": engine.global_steps,
+            "lr": engine.get_lr(),
+            "masters": [b.master[: b.layout.shard_numel].clone() for b in engine.optimizer.buckets],
+        }
+    return out
+
+
+def reference_run(steps):
+    """Uninterrupted single-process torch reference on the same global batches."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.99))
+    sched = build_scheduler(SCHED["type"], SCHED["params"], opt)
+    for x, y in global_batches(steps):
+        model(x, y).backward()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")]
+
+
+@pytest.fixture(scope="module")
+def chained(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("chain"))
+    return root, run_ranks(chain, max(CHAIN), root, CASES, timeout=300)[0]
+
+
+def test_resume_across_world_sizes_matches_uninterrupted_run(chained):
+    root, links = chained
+    steps = STEPS_PER_RUN * len(CHAIN)
+    ref, ref_opt = reference_run(steps)
+    # WarmupLR continued: lr equals an uninterrupted schedule after `steps` steps.
+    warm = SCHED["params"]
+    expected_lr = 1e-3 + (warm["warmup_max_lr"] - 1e-3) * (steps - 1) / warm["warmup_num_steps"]
+    for stage, dtype in CASES:
+        last = links[-1][(stage, dtype)]
+        assert last["global_steps"] == steps
+        assert last["lr"][0] == pytest.approx(expected_lr, rel=1e-9)
+        if dtype != "fp32":
+            continue
+        save_dir = os.path.join(root, f"stage{stage}-{dtype}")
+        weights = consolidate(save_dir)
+        ref_state = ref.state_dict()
+        assert set(weights) == set(ref_state)
+        for name, value in ref_state.items():
+            assert torch.allclose(weights[name], value, rtol=0, atol=1e-6), (stage, name)
+        names = {id(p): n for n, p in ref.named_parameters()}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            moments = consolidate(save_dir, state=kind)
+            for param, state in ref_opt.state.items():
+                if param.numel() == 0:
+                    continue
+                got = moments[names[id(param)]]
+                assert torch.allclose(got, state[kind], rtol=0, atol=1e-6), (stage, kind)
+        tag = Path(save_dir, "latest").read_text()
+        meta = json.loads(Path(save_dir, tag, "meta.json").read_text())
+        assert meta["scalar_state"]["0"]["step"]["value"] == steps  # Adam step counts
+
+
+def test_bf16_resume_restores_masters_bitwise(chained):
+    root, links = chained
+    # masters saved by a link equal the consolidated checkpoint of that link bitwise
+    weights = consolidate(os.path.join(root, "stage2-bf16"))
+    ref = Net()
+    ref.load_state_dict(weights, strict=True)  # every key, tied names included
+    assert torch.equal(weights["embed.weight"], ref.embed.weight)
+
+
+def test_consolidated_state_loads_strict_with_ties_and_frozen(chained, tmp_path):
+    root, _ = chained
+    out = tmp_path / "model.safetensors"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zero.zero_to_fp32",
+            os.path.join(root, "stage1-fp32"),
+            str(out),
+            "--max_shard_size",
+            "1KB",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "model.index.json").read_text())["weight_map"]
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in set(index.values()):
+        state.update(load_file(tmp_path / file))
+    model = Net()
+    model.load_state_dict(state, strict=True)
+    weights = consolidate(os.path.join(root, "stage1-fp32"))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    assert torch.equal(model.frozen.weight, weights["frozen.weight"])
+
+
+def kill_during_save(root):
+    """Save A, then die on rank 1 in the middle of saving B."""
+    engine = make_engine(2)
+    train(engine, global_batches(1))
+    engine.save_checkpoint(root, tag="A")
+    train(engine, global_batches(1))
+    if engine.rank == 1:
+        import safetensors.torch
+
+        def crash(tensors, path, *args, **kwargs):
+            with open(path, "wb") as handle:
+                handle.write(b"partial")
+            os._exit(9)
+
+        safetensors.torch.save_file = crash
+        import zero.checkpoint as ckpt
+
+        ckpt.save_file = crash
+    engine.save_checkpoint(root, tag="B")
+    return "saved B"
+
+
+def load_single(root, tag=None):
+    engine = make_engine(2)
+    path, client = engine.load_checkpoint(root, tag=tag)
+    return os.path.basename(path), engine.global_steps
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    root = str(tmp_path)
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 9|rank 0 failed"):
+        run_ranks(kill_during_save, 2, root, timeout=120)
+    assert Path(root, "latest").read_text() == "A"
+    assert not os.path.exists(os.path.join(root, "B"))
+    assert load_single(root) == ("A", 1)
+
+
+def test_errors_name_file_and_key(tmp_path):
+    engine = make_engine(2)
+    train(engine, global_batches(1))
+    with pytest.raises(CheckpointError, match=r"client_state\['bad'\]"):
+        engine.save_checkpoint(tmp_path, client_state={"ok": 1, "bad": torch.ones(1)})
+    assert not os.path.exists(tmp_path / "latest")
+    engine.save_checkpoint(tmp_path, tag="good")
+    with pytest.raises(CheckpointError, match="latest"):
+        engine.load_checkpoint(tmp_path / "nowhere")
+
+    class Wider(Net):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(6, 7, bias=False)
+            self.added = torch.nn.Linear(2, 2)
+
+    wider = Wider()
+    wider.added.requires_grad_(False)  # frozen: checked through module.safetensors
+    other = make_engine(2, model=wider)
+    before = [p.detach().clone() for p in other.module.parameters()]
+    with pytest.raises(CheckpointError) as error:
+        other.load_checkpoint(tmp_path)
+    message = str(error.value)
+    assert "meta.json" in message and "added.weight" in message and "proj.bias" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, other.module.parameters()))
+    rank_file = tmp_path / "good" / "rank0.safetensors"
+    data = rank_file.read_bytes()
+    rank_file.write_bytes(data[: len(data) // 2])
+    fresh = make_engine(2)
+    before = [p.detach().clone() for p in fresh.module.parameters()]
+    with pytest.raises(CheckpointError, match=r"rank0\.safetensors.*truncated"):
+        fresh.load_checkpoint(tmp_path)
+    os.remove(rank_file)
+    with pytest.raises(CheckpointError, match=r"rank0\.safetensors is missing"):
+        fresh.load_checkpoint(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters()))
+    assert fresh.global_steps == 0
