@@ -1,4 +1,4 @@
-"""ZeRO stages 0-2 against torch DistributedDataParallel, side by side, in one spawned group.
+r"""ZeRO stages 0-2 against torch DistributedDataParallel, side by side, in one spawned group.
 
     python benchmarks/zero_vs_ddp.py --n_layer 4 --n_embd 256 --block_size 128 --micro_batch 8 \
         --steps 20 --warmup 3 --world_size 2
@@ -58,6 +58,8 @@ class Row:
     padding: float
     state: dict
     step_ms: float
+    comm: dict
+    num_buckets: int
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,11 +119,11 @@ def build_model(args) -> GPT:
     )
 
 
-def make_batches(args, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(args, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random byte tokens, different per rank, identical across configurations."""
     g = torch.Generator().manual_seed(1000 + rank)
     batches = []
-    for _ in range(args.warmup + args.steps):
+    for _ in range(count):
         tokens = torch.randint(0, 256, (args.micro_batch, args.block_size + 1), generator=g)
         batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return batches
@@ -144,24 +146,40 @@ def zero_config(args, stage: int, dtype: str) -> dict:
     }
 
 
-def timed_steps(step_fn, batches, warmup: int) -> float:
-    """Median milliseconds of step_fn over batches[warmup:]; a barrier precedes every clock read,
-    so a step ends when the slowest rank has finished it."""
-    times = []
+def native_bf16() -> bool:
+    """True when bf16 matmul runs natively (a GPU, or a CPU with avx512_bf16 / amx_bf16)."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def time_interleaved(step_fns: dict, batches, warmup: int) -> dict[str, float]:
+    """Median milliseconds per step of each step_fn over batches[warmup:].
+
+    The contestants take turns, one step each per batch, so slow drift of a shared machine hits
+    all of them alike. A barrier precedes every clock read: a step ends when the slowest rank
+    has finished it.
+    """
+    times = {name: [] for name in step_fns}
     for i, (x, y) in enumerate(batches):
-        dist.barrier()
-        start = time.perf_counter()
-        step_fn(x, y)
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return 1000.0 * statistics.median(times)
+        for name, step_fn in step_fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step_fn(x, y)
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: 1000.0 * statistics.median(t) for name, t in times.items()}
 
 
 # ----- the two contestants ----------------------------------------------------------------------
-def run_zero(args, stage: int, dtype: str, batches) -> tuple[Row, dict]:
+def build_zero(args, stage: int, dtype: str):
+    """A zero engine and its one-micro-batch training step (forward, backward, step)."""
     model = build_model(args)
-    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # tied weight once
     engine, _, _, _ = zero.initialize(model=model, config=zero_config(args, stage, dtype))
 
     def step(x, y):
@@ -169,11 +187,14 @@ def run_zero(args, stage: int, dtype: str, batches) -> tuple[Row, dict]:
         engine.backward(loss)
         engine.step()
 
-    step_ms = timed_steps(step, batches, args.warmup)
+    return engine, step
+
+
+def zero_row(engine, stage: int, dtype: str, psi: int, step_ms: float) -> Row:
     layout = engine.optimizer.layout
     assert layout.numel == psi, (layout.numel, psi)
     comm = engine.comm_stats()
-    row = Row(
+    return Row(
         stage=stage,
         dtype=dtype,
         psi=psi,
@@ -181,20 +202,16 @@ def run_zero(args, stage: int, dtype: str, batches) -> tuple[Row, dict]:
         padding=layout.padded_numel / layout.numel - 1.0,
         state=engine.model_state_bytes(),
         step_ms=step_ms,
+        comm=comm,
+        num_buckets=len(layout.buckets),
     )
-    hyper = dict(engine.optimizer.param_groups[0])
-    info = {"comm": comm, "num_buckets": len(layout.buckets), "hyper": hyper}
-    del engine, model
-    gc.collect()
-    return row, info
 
 
-def run_ddp(args, dtype: str, batches, hyper: dict) -> float:
+def build_ddp(args, dtype: str, hyper: dict):
     """DDP + torch.optim.AdamW (zero's resolved hyper-parameters) + clip_grad_norm_. bf16 is
     torch's mixed precision: fp32 parameters and optimizer, bf16 autocast in forward."""
     model = build_model(args)
-    bucket_mb = args.reduce_bucket_size * 4 / 2**20
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.reduce_bucket_size * 4 / 2**20)
     accepted = inspect.signature(torch.optim.AdamW).parameters
     kwargs = {k: v for k, v in hyper.items() if k in accepted and k != "params"}
     optimizer = torch.optim.AdamW(ddp.parameters(), **kwargs)
@@ -207,10 +224,23 @@ def run_ddp(args, dtype: str, batches, hyper: dict) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step_ms = timed_steps(step, batches, args.warmup)
-    del ddp, model, optimizer
+    return step
+
+
+def run_dtype(args, dtype: str, batches, warmup: int) -> tuple[list[Row], float]:
+    """All stages of one precision and their DDP baseline, timed in turns."""
+    psi = sum(p.numel() for p in build_model(args).parameters() if p.requires_grad)
+    engines, step_fns = {}, {}
+    for stage, run_dtype_name in RUNS:
+        if run_dtype_name == dtype:
+            engines[stage], step_fns[f"zero{stage}"] = build_zero(args, stage, dtype)
+    hyper = dict(next(iter(engines.values())).optimizer.param_groups[0])
+    step_fns["ddp"] = build_ddp(args, dtype, hyper)
+    ms = time_interleaved(step_fns, batches, warmup)
+    rows = [zero_row(e, s, dtype, psi, ms[f"zero{s}"]) for s, e in engines.items()]
+    del engines, step_fns
     gc.collect()
-    return step_ms
+    return rows, ms["ddp"]
 
 
 # ----- the paper's numbers ----------------------------------------------------------------------
@@ -237,47 +267,47 @@ def formula(stage: int, dtype: str, n: int) -> tuple[float, str]:
     return table[stage]
 
 
-def print_report(args, rows, ddp_ms, infos, threads) -> None:
+def print_report(args, rows, ddp_ms, steps, threads) -> None:
     n = args.world_size
     print(
         f"machine: {available_cores()} cores, torch {torch.__version__}, world size {n} (gloo), "
-        f"{threads} intra-op thread(s) per rank"
+        f"{threads} intra-op thread(s) per rank, native bf16 matmul: {native_bf16()}"
     )
     print(
         f"model: GPT n_layer={args.n_layer} n_head={args.n_head} n_embd={args.n_embd} "
-        f"block_size={args.block_size} vocab=256, micro-batch {args.micro_batch}; "
-        f"steps {args.steps} timed after {args.warmup} warm-up"
+        f"block_size={args.block_size} vocab=256, micro-batch {args.micro_batch}; timed steps "
+        + ", ".join(f"{d}: {s} after {w} warm-up" for d, (w, s) in steps.items())
     )
     print(
         f"buckets: reduce_bucket_size={args.reduce_bucket_size} elements "
-        f"({infos[0]['num_buckets']} buckets), allgather_bucket_size="
+        f"({rows[0].num_buckets} buckets), allgather_bucket_size="
         f"{args.allgather_bucket_size} elements; DDP bucket_cap_mb="
-        f"{args.reduce_bucket_size * 4 / 2**20:.2f} (same bytes as a fp32 gradient bucket)"
+        f"{args.reduce_bucket_size * 4 / 2**20:.2f} (the bytes of one fp32 gradient bucket)"
     )
     print()
     print(
         "| stage | dtype | Psi | comm elements/Psi | padding % | model-state bytes/rank "
-        "| paper formula bytes (bytes/Psi) | measured/formula | step ms | DDP step ms "
+        "| paper formula bytes | formula | measured/formula | step ms | DDP step ms "
         "| zero/DDP |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         per_psi, name = formula(row.stage, row.dtype, n)
         measured = sum(row.state.values())
         expected = per_psi * row.psi
         ddp = ddp_ms[row.dtype]
         print(
-            f"| {row.stage} | {row.dtype} | {row.psi:,} | {row.comm_elements / row.psi:.4f} "
-            f"| {100 * row.padding:.4f} | {measured:,} | {expected:,.0f} ({name}) "
+            f"| {row.stage} | {row.dtype} | {row.psi:,} | {row.comm_elements / row.psi:.6f} "
+            f"| {100 * row.padding:.4f} | {measured:,} | {expected:,.0f} | {name} "
             f"| {measured / expected:.4f} | {row.step_ms:.1f} | {ddp:.1f} "
             f"| {row.step_ms / ddp:.3f} |"
         )
     print()
-    print("model-state bytes per rank by kind, and collectives of the last step:")
-    for row, info in zip(rows, infos):
+    print("model-state bytes per rank by kind, and the collectives of the last step:")
+    for row in rows:
         kinds = ", ".join(f"{k} {v:,}" for k, v in row.state.items())
         ops = ", ".join(
-            f"{op} {t['calls']} calls / {t['elements']:,} el" for op, t in info["comm"].items()
+            f"{op} {t['calls']} calls / {t['elements']:,} elements" for op, t in row.comm.items()
         )
         print(f"- stage {row.stage} {row.dtype}: {kinds}; {ops}")
 
@@ -297,22 +327,31 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=n)
     try:
-        batches = make_batches(args, rank)
-        rows, infos, ddp_ms = [], [], {}
-        for stage, dtype in RUNS:
-            row, info = run_zero(args, stage, dtype, batches)
-            rows.append(row)
-            infos.append(info)
-            if dtype not in ddp_ms:
-                ddp_ms[dtype] = run_ddp(args, dtype, batches, info["hyper"])
+        steps = {}
+        for dtype in args.dtypes.split(","):
+            if dtype == "bf16" and not native_bf16():
+                steps[dtype] = (1, 1 if args.bf16_steps is None else args.bf16_steps)
+            elif dtype == "bf16" and args.bf16_steps is not None:
+                steps[dtype] = (args.warmup, args.bf16_steps)
+            else:
+                steps[dtype] = (args.warmup, args.steps)
+        rows, ddp_ms = [], {}
+        for dtype, (warmup, timed) in steps.items():
+            dtype_rows, ddp_ms[dtype] = run_dtype(
+                args, dtype, make_batches(args, rank, warmup + timed), warmup
+            )
+            rows += dtype_rows
         if rank == 0:
-            print_report(args, rows, ddp_ms, infos, threads)
+            print_report(args, rows, ddp_ms, steps, threads)
     finally:
         dist.destroy_process_group()
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    unknown = set(args.dtypes.split(",")) - {"fp32", "bf16"}
+    if unknown:
+        raise ValueError(f"--dtypes {args.dtypes!r}: unknown {sorted(unknown)}; use fp32,bf16")
     mp.spawn(worker, args=(args, free_port()), nprocs=args.world_size, join=True)
 
 

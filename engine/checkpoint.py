@@ -212,6 +212,7 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, directory: str)
         ],
         "ties": _ties(engine.module),
         "ranks": ranks,
+        "optimizer": type(engine.optimizer.optimizer).__name__,
         "sharded_state": _sharded_state_keys(engine),
         "scalar_state": _scalar_state(engine),
         "param_groups": _jsonable(groups),
@@ -432,6 +433,12 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
     if problems:
         raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
     load_optimizer = load_optimizer and not module_only
+    optimizer_name = type(engine.optimizer.optimizer).__name__
+    if load_optimizer and meta["optimizer"] != optimizer_name:
+        raise CheckpointError(
+            f"{os.path.join(path, META)}: optimizer {meta['optimizer']!r} was saved, this run uses "
+            f"{optimizer_name!r}; pass load_optimizer_states=False to load the weights only"
+        )
     kinds = ["master"] + (meta["sharded_state"] if load_optimizer else [])
     reader = GroupReader(path, meta)
     shard = engine.comm.rank if engine.optimizer.layout.num_shards > 1 else 0

@@ -88,12 +88,14 @@ class Communicator:
     ) -> Handle:
         """Sum `input` (world_size * n elements) over ranks; rank r receives slice r in `output`.
 
-        `output` must hold n = input.numel() / world_size elements of input's dtype.
+        `output` must hold n = input.numel() / world_size elements of input's dtype; it may be
+        rank r's own slice of `input` (in-place reduce-scatter, as NCCL and gloo allow).
         """
         assert input.numel() == output.numel() * self.world_size, (input.shape, output.shape)
         self._record("reduce_scatter", input.numel(), input)
         if self.world_size == 1:
-            output.copy_(input)
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
             return Handle()
         return Handle(
             dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)

@@ -66,8 +66,8 @@ class Bucket:
     param_buffer: (padded_numel,) compute dtype, the storage the model's parameters view.
     master: (shard_numel,) fp32 owned weights the optimizer updates; aliases the owned slice of
         param_buffer when the compute dtype is fp32 (no copy, no cast).
-    grad_shard: (shard_numel,) fp32 owned, reduced gradient; in stage 0 the full accumulation
-        buffer itself.
+    grad_shard: (shard_numel,) fp32 owned, reduced gradient; a view of the accumulation buffer in
+        stages 0 (all of it) and 1 (the owned slice).
     accum: (padded_numel,) fp32 gradient accumulated over micro-batches (stages 0 and 1 only).
     """
 
@@ -89,14 +89,25 @@ class Bucket:
         self.stage = stage
 
     def fill_target(self, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer a gradient of this micro-batch is added to."""
+        """The buffer a gradient of this micro-batch goes to. Stage 2 allocates it uninitialized:
+        the first gradient of each parameter is copied in, and complete_staging() zeroes what no
+        gradient covered before the bucket is reduced."""
         if self.stage < 2:
             return self.accum
         if self.staging is None:
-            self.staging = torch.zeros(
+            self.staging = torch.empty(
                 self.layout.padded_numel, dtype=dtype, device=self.param_buffer.device
             )
         return self.staging
+
+    def complete_staging(self, dtype: torch.dtype) -> torch.Tensor:
+        """Stage 2: zero the padding and the parameters that got no gradient; return the buffer."""
+        staging = self.fill_target(dtype)
+        for slot, arrived in zip(self.layout.slots, self.arrived):
+            if not arrived:
+                staging[slot.offset : slot.offset + slot.numel].zero_()
+        staging[self.layout.numel :].zero_()
+        return staging
 
     def reset_arrivals(self) -> None:
         self.arrived = [False] * len(self.params)
@@ -182,6 +193,10 @@ class ZeroOptimizer:
             bucket.accum = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         if self.settings.stage == 0:
             bucket.grad_shard = bucket.accum
+        elif self.settings.stage == 1:
+            # Reduce-scatter in place: the owned slice of the accumulation buffer receives the
+            # reduced gradient, so stage 1 holds no second gradient buffer.
+            bucket.grad_shard = bucket.accum[begin:end]
         else:
             bucket.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         bucket.master.grad = bucket.grad_shard
@@ -242,7 +257,11 @@ class ZeroOptimizer:
             )
         slot = bucket.layout.slots[index]
         target = bucket.fill_target(self.settings.reduce_dtype)
-        target[slot.offset : slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        view = target[slot.offset : slot.offset + slot.numel]
+        if bucket.accum is None and not bucket.arrived[index]:
+            view.copy_(param.grad.reshape(-1))  # stage 2: first gradient into fresh staging
+        else:
+            view.add_(param.grad.reshape(-1))
         param.grad = None
         if not bucket.arrived[index]:
             bucket.arrived[index] = True
@@ -266,7 +285,7 @@ class ZeroOptimizer:
         elif self.settings.stage == 1:
             bucket.handle = self.comm.reduce_scatter(bucket.grad_shard, bucket.accum, True)
         else:
-            source = bucket.fill_target(self.settings.reduce_dtype)
+            source = bucket.complete_staging(self.settings.reduce_dtype)
             direct = self._first_reduce and source.dtype == torch.float32
             if direct:
                 output = bucket.grad_shard
@@ -311,15 +330,17 @@ class ZeroOptimizer:
         Returns True when the step was applied, False when skipped (fp16 overflow). Collective.
         Records the global gradient norm (before clipping, identical on every rank).
         """
-        inv = 1.0 / (self.comm.world_size * self.scaler.scale)
         shards = [b.grad_shard for b in self.buckets]
-        for shard in shards:
-            shard.mul_(inv)
-        norm = self._global_norm(shards)
+        # The shards hold sum-over-ranks of loss-scaled gradients; averaging, unscaling and
+        # clipping are folded into one multiplication.
+        unscale = 1.0 / (self.comm.world_size * self.scaler.scale)
+        norm = self._global_norm(shards) * unscale
         self.global_grad_norm = norm
         overflow = self.settings.overflow_check and not math.isfinite(norm)
         if not overflow:
-            self._clip(shards, norm)
+            factor = unscale * self._clip_coefficient(norm)
+            for shard in shards:
+                shard.mul_(factor)
             self.optimizer.step()
             self.refresh_params()
         self.scaler.update(bool(overflow), self.comm.rank)
@@ -336,12 +357,11 @@ class ZeroOptimizer:
             self.comm.all_reduce(squares)
         return float(squares.sqrt())
 
-    def _clip(self, shards, norm: float) -> None:
+    def _clip_coefficient(self, norm: float) -> float:
+        """gradient_clipping / (norm + 1e-6) when below 1, else 1 (as torch and DeepSpeed)."""
         if self.settings.clip > 0:
-            coef = self.settings.clip / (norm + 1e-6)
-            if coef < 1.0:
-                for shard in shards:
-                    shard.mul_(coef)
+            return min(1.0, self.settings.clip / (norm + 1e-6))
+        return 1.0
 
     def refresh_params(self) -> None:
         """Write the owned master slices into the parameter buffers and all-gather every bucket,
@@ -369,7 +389,7 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             bucket.grad_shard.zero_()
             if bucket.accum is not None:
-                bucket.accum.zero_()
+                bucket.accum.zero_()  # includes grad_shard in stages 0 and 1
         self._first_reduce = True
 
     # ----- introspection ------------------------------------------------------------------
@@ -381,11 +401,7 @@ class ZeroOptimizer:
         """Bytes per rank held for model states, by kind (parameters, gradients, master weights,
         optimizer state), measured from the tensors themselves."""
         param = sum(b.param_buffer.numel() * b.param_buffer.element_size() for b in self.buckets)
-        grad = 0
-        for b in self.buckets:
-            grad += b.grad_shard.numel() * 4
-            if b.accum is not None and b.accum is not b.grad_shard:
-                grad += b.accum.numel() * 4
+        grad = sum((b.grad_shard if b.accum is None else b.accum).numel() * 4 for b in self.buckets)
         master = sum(b.master.numel() * 4 for b in self.buckets if b.master is not b.param_shard)
         state = 0
         for per_param in self.optimizer.state.values():

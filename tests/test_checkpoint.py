@@ -58,7 +58,7 @@ class SubgroupMPU:
         return self.size
 
 
-def make_engine(stage, dtype="fp32", bucket=40, model=None, mpu=None):
+def make_engine(stage, dtype="fp32", bucket=40, model=None, mpu=None, opt_cls=torch.optim.AdamW):
     torch.manual_seed(0)
     model = model or Net()
     cfg = {
@@ -71,7 +71,8 @@ def make_engine(stage, dtype="fp32", bucket=40, model=None, mpu=None):
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.99))
+    extra = {"betas": (0.9, 0.99)} if opt_cls is torch.optim.AdamW else {}
+    opt = opt_cls(param_groups(model), lr=1e-2, **extra)
     engine, _, _, _ = zero.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
     return engine
 
@@ -288,6 +289,9 @@ def test_errors_name_file_and_key(tmp_path):
     message = str(error.value)
     assert "meta.json" in message and "added.weight" in message and "proj.bias" in message
     assert all(torch.equal(a, b) for a, b in zip(before, other.module.parameters()))
+    sgd = make_engine(2, opt_cls=torch.optim.SGD)
+    with pytest.raises(CheckpointError, match="optimizer 'AdamW' was saved.*'SGD'"):
+        sgd.load_checkpoint(tmp_path)
     rank_file = tmp_path / "good" / "rank0.safetensors"
     data = rank_file.read_bytes()
     rank_file.write_bytes(data[: len(data) // 2])

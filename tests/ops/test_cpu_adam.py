@@ -5,6 +5,8 @@ within 1e-6 relative to the tensor's largest magnitude (elementwise rtol 1e-6 as
 floor for elements that pass through zero, whose own relative error is meaningless).
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -98,15 +100,16 @@ def test_low_precision_rounding_edges(cpu_adam_op, dtype):
 
 
 def test_state_dict_matches_torch_layout(cpu_adam_op):
-    ref, ref_param, ours, param = _run_pair(33, adamw_mode=True, use_op=True)
+    ref, ref_param, ours, param = _run_pair(33, adamw_mode=False, use_op=True)
     ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
     assert ours_sd["state"].keys() == ref_sd["state"].keys()
     for key in ("step", "exp_avg", "exp_avg_sq"):
         assert ours_sd["state"][0][key].dtype == ref_sd["state"][0][key].dtype
-    # A torch AdamW resumes from CPUAdam's state and takes the same next step.
+    # torch.optim.Adam resumes from CPUAdam's state (hyper-parameters included) and takes the
+    # same next step. (torch's AdamW would also need group["decoupled_weight_decay"] = True.)
     resumed_param = torch.nn.Parameter(param.detach().clone())
-    resumed = torch.optim.AdamW([resumed_param], foreach=False)
-    resumed.load_state_dict(ours_sd)
+    resumed = torch.optim.Adam([resumed_param], foreach=False)
+    resumed.load_state_dict(copy.deepcopy(ours_sd))  # state_dict() shares the moments
     grad = torch.randn(33)
     resumed_param.grad, param.grad = grad.clone(), grad.clone()
     resumed.step()
