@@ -26,14 +26,18 @@ leaves the previous checkpoint and `latest` untouched.
 """
 
 import json
+import logging
 import os
 import random
 import shutil
+import zlib
 from collections.abc import Mapping
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+logger = logging.getLogger("zero")
 
 FORMAT = "zero-checkpoint/1"
 META, MODULE_FILE, LATEST = "meta.json", "module.safetensors", "latest"
@@ -86,6 +90,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
     """Write a checkpoint; see Engine.save_checkpoint. Returns the checkpoint directory."""
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     _check_json(client_state, "client_state")
+    _validate_tag(engine, tag)
     scheduler_state = _scheduler_state(engine)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
@@ -114,6 +119,24 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
             _write_text_atomic(os.path.join(save_dir, LATEST), tag)
     engine.comm.barrier()
     return final
+
+
+def _validate_tag(engine, tag: str) -> None:
+    """checkpoint.tag_validation: every rank must save under the same tag (Warn, Fail, Ignore)."""
+    mode = engine.config.checkpoint.tag_validation
+    if mode == "Ignore" or engine.comm.world_size == 1:
+        return
+    code = float(zlib.crc32(tag.encode()))
+    bounds = torch.tensor([code, -code], dtype=torch.float64)
+    engine.comm.all_reduce(bounds, op="max")
+    if bounds[0] != -bounds[1]:
+        message = (
+            f"rank {engine.comm.rank}: ranks save under different tags (this rank: {tag!r}); "
+            "pass the same tag on every rank (config key checkpoint.tag_validation)"
+        )
+        if mode == "Fail":
+            raise CheckpointError(message)
+        logger.warning(message)
 
 
 def _check_json(value, what: str) -> None:

@@ -58,7 +58,9 @@ class SubgroupMPU:
         return self.size
 
 
-def make_engine(stage, dtype="fp32", bucket=40, model=None, mpu=None, opt_cls=torch.optim.AdamW):
+def make_engine(
+    stage, dtype="fp32", bucket=40, model=None, mpu=None, opt_cls=torch.optim.AdamW, extra=None
+):
     torch.manual_seed(0)
     model = model or Net()
     cfg = {
@@ -71,8 +73,9 @@ def make_engine(stage, dtype="fp32", bucket=40, model=None, mpu=None, opt_cls=to
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    extra = {"betas": (0.9, 0.99)} if opt_cls is torch.optim.AdamW else {}
-    opt = opt_cls(param_groups(model), lr=1e-2, **extra)
+    cfg.update(extra or {})
+    kwargs = {"betas": (0.9, 0.99)} if opt_cls is torch.optim.AdamW else {}
+    opt = opt_cls(param_groups(model), lr=1e-2, **kwargs)
     engine, _, _, _ = zero.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
     return engine
 
@@ -103,7 +106,17 @@ def chain(root, cases):
         if dist.get_rank() < size:
             links.append(chain_link(root, index, cases, SubgroupMPU(groups[index], size)))
         dist.barrier()
-    return links
+    return links, tag_mismatch(root)
+
+
+def tag_mismatch(root):
+    """checkpoint.tag_validation Fail: ranks passing different tags all get an error."""
+    engine = make_engine(2, extra={"checkpoint": {"tag_validation": "Fail"}})
+    try:
+        engine.save_checkpoint(os.path.join(root, "tags"), tag=f"T{engine.rank}")
+    except CheckpointError as error:
+        return str(error)
+    return None
 
 
 def chain_link(root, index, cases, mpu):
@@ -151,7 +164,9 @@ CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")]
 @pytest.fixture(scope="module")
 def chained(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("chain"))
-    return root, run_ranks(chain, max(CHAIN), root, CASES, timeout=300)[0]
+    results = run_ranks(chain, max(CHAIN), root, CASES, timeout=300)
+    assert all("different tags" in (tag_error or "") for _, tag_error in results)
+    return root, results[0][0]
 
 
 def test_resume_across_world_sizes_matches_uninterrupted_run(chained):
