@@ -68,11 +68,10 @@ def owned_ranges(buckets, shard: int) -> dict[int, list[tuple[int, int, "object"
     return out
 
 
-def _shard_of(engine) -> int | None:
-    """The shard index this rank writes, or None when it writes nothing (replicated stage 0)."""
-    if engine.optimizer.layout.num_shards > 1:
-        return engine.comm.rank
-    return 0 if engine.comm.rank == 0 else None
+def _written_shard(layout, rank: int) -> int | None:
+    """The shard a rank writes, or None when it writes nothing (stage 0: only rank 0 writes)."""
+    shard = layout.shard_of(rank)
+    return shard if layout.num_shards > 1 or rank == 0 else None
 
 
 def _sharded_state_keys(engine) -> list[str]:
@@ -175,7 +174,7 @@ def _write_rank_file(engine, directory: str) -> None:
     tensors = {"rng.torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["rng.torch_cuda"] = torch.cuda.get_rng_state()
-    shard = _shard_of(engine)
+    shard = _written_shard(engine.optimizer.layout, engine.comm.rank)
     if shard is not None:
         state = engine.optimizer.optimizer.state
         for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items():
@@ -215,7 +214,7 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, directory: str)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     ranks = {}
     for rank in range(engine.comm.world_size):
-        shard = rank if engine.optimizer.layout.num_shards > 1 else (0 if rank == 0 else None)
+        shard = _written_shard(engine.optimizer.layout, rank)
         ranges = {} if shard is None else owned_ranges(engine.optimizer.buckets, shard)
         ranks[str(rank)] = {str(g): [[lo, hi] for lo, hi, _ in r] for g, r in ranges.items()}
     return {
@@ -464,7 +463,7 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
         )
     kinds = ["master"] + (meta["sharded_state"] if load_optimizer else [])
     reader = GroupReader(path, meta)
-    shard = engine.comm.rank if engine.optimizer.layout.num_shards > 1 else 0
+    shard = engine.optimizer.layout.shard_of(engine.comm.rank)
     staged = [
         (bucket, {kind: reader.read(group, kind, lo, hi) for kind in kinds})
         for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items()

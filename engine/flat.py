@@ -104,6 +104,10 @@ class FlatLayout:
         self.buckets.append(bucket)
         return start + padded
 
+    def shard_of(self, rank: int) -> int:
+        """The shard a rank owns: its rank, or 0 when every rank owns everything (stage 0)."""
+        return rank if self.num_shards > 1 else 0
+
     def slot(self, param: torch.Tensor) -> Slot:
         return self._slot_of[id(param)]
 

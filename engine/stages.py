@@ -162,7 +162,7 @@ class ZeroOptimizer:
                 params_by_name[name] = param
                 self._names[id(param)] = name
         device = next(iter(params_by_name.values())).device if params_by_name else "cpu"
-        shard = self.comm.rank if self.layout.num_shards > 1 else 0
+        shard = self.layout.shard_of(self.comm.rank)
         buckets = []
         for group in range(self.layout.num_groups):
             flat = torch.zeros(
@@ -183,7 +183,7 @@ class ZeroOptimizer:
         for slot, param in zip(layout.slots, bucket.params):
             full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
         bucket.param_buffer.copy_(full)
-        begin, end = layout.owned_range(self.comm.rank if layout.num_shards > 1 else 0)
+        begin, end = layout.owned_range(self.layout.shard_of(self.comm.rank))
         if self.compute_dtype == torch.float32:
             bucket.master = bucket.param_shard
         else:
