@@ -64,12 +64,14 @@ class Engine(torch.nn.Module):
         self.config = config
         self.comm = comm
         self.accelerator = accelerator
-        self.module = model.to(device=accelerator.device)
-        self._broadcast_module()
-        self.scaler = LossScaler.from_config(config)
+        self.module = model
+        # Validate the optimizer and its param groups before any collective or device move.
         client_optimizer = optimizer is not None
         optimizer = optimizer or self._config_optimizer(model_parameters)
         named_groups = self._named_groups(optimizer, client_optimizer)
+        self.module.to(device=accelerator.device)  # keeps Parameter objects: groups stay valid
+        self._broadcast_module()
+        self.scaler = LossScaler.from_config(config)
         self.optimizer = ZeroOptimizer(
             named_groups,
             optimizer,
