@@ -127,6 +127,19 @@ class Communicator:
             dist.barrier(group=self.group)
 
 
+# ----- model parallelism (ZeRO-R; used by engine/mpu.py) -----------------------------------
+def new_group(ranks: list[int]):
+    """A process group over `ranks` (ranks of the default group), for a Communicator.
+
+    Collective over the default group: every rank must call it, with the same `ranks`, in the
+    same order of calls, including ranks that are not members (torch.distributed's rule).
+    """
+    return dist.new_group(sorted(ranks))
+
+
+# ----- end model parallelism ---------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     """Rank layout read from the launcher's environment (torchrun's variable names)."""

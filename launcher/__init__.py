@@ -1,16 +1,23 @@
 """zero.launcher: ``zrun``, start a job with one process per slot on each selected host.
 
-hostfile.py (hostfile, --include/--exclude) -> world.py (WorldLayout) -> runner.py (one agent
-per node) -> agent.py (one process per slot, torch.distributed's elastic agent).
+hostfile.py (hostfile, --include/--exclude) -> world.py (WorldLayout) -> runner.py (local
+agents) or remote.py (ssh, pdsh, srun, mpirun; one agent per node) -> agent.py (one process per
+slot, torch.distributed's elastic agent). environment.py decides what every rank's environment
+gets; nodelist.py reads SLURM node lists.
 """
 
+import dataclasses
 import os
+import shlex
+import socket
 import sys
 import time
 
 from .cli import build_parser, resource_pool
-from .runner import JobSpec, LocalRunner
-from .world import build_layout
+from .environment import env_file_paths, job_environment
+from .remote import RemoteOptions, remote_launches
+from .runner import JobRunner, JobSpec, Launch, local_launches
+from .world import WorldLayout, build_layout, is_local_host
 
 __all__ = ["main"]
 
@@ -19,26 +26,68 @@ def main(argv: list[str] | None = None) -> int:
     """Run zrun with ``argv`` (default sys.argv[1:]); returns the process exit code.
 
     0 on success; the first failed rank's exit code (128 + N if it was killed by signal N);
-    128 + N when zrun itself receives signal N; 2 for a usage error (bad flag or hostfile, missing
-    hostfile, remote host while multi-node runners are not available yet), with one line on
-    stderr.
+    128 + N when zrun itself receives signal N; 2 for a usage error found before anything
+    starts (bad flag, hostfile, selection, .zero_env or --env; a host ssh cannot reach), with
+    one line on stderr.
     """
     args = build_parser().parse_args(argv)
     try:
         layout = build_layout(resource_pool(args), args.master_addr, args.master_port)
+        env = job_environment(dict(os.environ), env_file_paths(), args.env)
         job = JobSpec(
             script=args.script,
             script_args=tuple(args.script_args),
-            run_id=f"zrun-{os.getpid()}-{int(time.time())}",
+            run_id=_run_id(args),
             module=args.module,
             no_python=args.no_python,
             no_local_rank=args.no_local_rank,
             log_dir=args.log_dir,
             shutdown_timeout=args.shutdown_timeout,
             verbose=args.verbose,
+            env=env,
         )
-        runner = LocalRunner(layout, job)
+        launches, remote = plan_launches(args, layout, job)
     except (ValueError, FileNotFoundError, NotImplementedError) as error:
         print(f"zrun: error: {error}", file=sys.stderr)
         return 2
-    return runner.run()
+    return JobRunner(launches, args.shutdown_timeout, report_failures=remote).run()
+
+
+def _run_id(args) -> str:
+    # The nodes' agents must agree on it: zrun gives one to all of them, but --no_ssh nodes are
+    # started separately, so theirs comes from what they share, the rendezvous port.
+    if args.no_ssh:
+        return f"zrun-no_ssh-{args.master_port}"
+    return f"zrun-{os.getpid()}-{int(time.time())}"
+
+
+def plan_launches(args, layout: WorldLayout, job: JobSpec) -> tuple[list[Launch], bool]:
+    """What zrun starts, and whether it is a multi-node runner.
+
+    --no_ssh: only the agent of node --node_rank, here. Otherwise local agents when every host
+    is this machine, unless --force_multi or --launcher slurm/openmpi; else --launcher's runner.
+
+    Raises:
+        ValueError: --node_rank without --no_ssh or outside the layout, or (remote) see
+            remote_launches.
+    """
+    if args.no_ssh:
+        return [_this_node(args, layout, job)], False
+    if args.node_rank is not None:
+        raise ValueError("--node_rank is only used with --no_ssh (start one node by hand)")
+    all_local = all(is_local_host(node.host) for node in layout.nodes)
+    if all_local and not args.force_multi and args.launcher in ("ssh", "pdsh"):
+        return local_launches(layout, job), False
+    options = RemoteOptions(args.launcher, args.ssh_port, tuple(shlex.split(args.launcher_args)))
+    return remote_launches(layout, job, options), True
+
+
+def _this_node(args, layout: WorldLayout, job: JobSpec) -> Launch:
+    node_rank = 0 if args.node_rank is None else args.node_rank
+    if not 0 <= node_rank < layout.num_nodes:
+        raise ValueError(f"--node_rank must be in 0..{layout.num_nodes - 1}, got {node_rank}")
+    node = layout.nodes[node_rank]
+    if node.host == f"node{node_rank}":
+        # A numbered pool (no hostfile): name the node after this machine in messages.
+        node = dataclasses.replace(node, host=socket.gethostname())
+    return local_launches(layout, job, (node,))[0]

@@ -13,7 +13,11 @@ sends SIGTERM to the process group of every rank still running, then SIGKILL aft
 are orphans, no longer in a group the agent signals) and processes a rank moved to a new session.
 So the agent makes itself a child subreaper (Linux): every orphan of the job is re-parented to
 the agent, and after the job the agent kills whatever descendants remain. The agent also ends the
-job when its parent (zrun, or later the ssh channel) disappears.
+job when its parent zrun disappears (--parent_pid, local nodes) or when the channel it was
+started over closes (remote nodes): --exit_on_stdin_eof (ssh, pdsh: zrun keeps the ssh client's
+stdin open for the whole job, so EOF means zrun or its ssh client is gone) and --exit_on_hangup
+(any runner: the reader of the agent's stdout/stderr pipe, sshd or srun's step daemon, is gone).
+The ranks get /dev/null as stdin, so only the agent holds the channel.
 """
 
 import argparse
@@ -21,9 +25,11 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -37,6 +43,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import static_tcp_rendezvous  # noqa: F401
 from torch.distributed.elastic.utils import macros
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from .world import parse_nodes
 
 _PR_SET_CHILD_SUBREAPER = 36
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -73,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="zero per-node agent: start one process per slot of this node.",
         allow_abbrev=False,
     )
-    parser.add_argument("--node_rank", type=int, default=0, help="this node's rank (GROUP_RANK)")
+    parser.add_argument("--node_rank", type=int, default=None, help="this node's rank, default 0")
+    parser.add_argument("--nodes", default=None, help="whole layout 'host:0,1@host2:0,1'")
+    parser.add_argument("--node_rank_env", default=None, help="variable holding the node rank")
+    parser.add_argument("--node_name_env", default=None, help="variable holding a --nodes host")
     parser.add_argument("--num_nodes", type=int, default=1, help="number of nodes in the job")
     parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks on this node")
     parser.add_argument("--master_addr", default="127.0.0.1", help="rendezvous host (node 0)")
@@ -88,10 +99,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no_python", action="store_true", help="run script as an executable")
     parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank")
     parser.add_argument("--parent_pid", type=int, default=None, help="exit when it is gone")
+    parser.add_argument("--exit_on_stdin_eof", action="store_true", help="stdin is the channel")
+    parser.add_argument("--exit_on_hangup", action="store_true", help="exit when stdout closes")
     parser.add_argument("--verbose", action="store_true", help="show the elastic agent's log")
     parser.add_argument("script", help="training script, module or executable")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
     return parser
+
+
+def resolve_node(args: argparse.Namespace) -> None:
+    """Fill node_rank, num_nodes, nproc_per_node, device_ids and node_name from --nodes and the
+    node rank (--node_rank, or read from --node_rank_env, or this node's name looked up from
+    --node_name_env). Without --nodes only the node rank is resolved.
+
+    Raises:
+        ValueError: the variable is unset or not an integer, the name is not in --nodes, or the
+            node rank is outside the layout.
+    """
+    if args.node_rank is None and args.node_rank_env:
+        raw = os.environ.get(args.node_rank_env, "")
+        if not raw.isdigit():
+            raise ValueError(f"--node_rank_env {args.node_rank_env}={raw!r} is not a node rank")
+        args.node_rank = int(raw)
+    nodes = parse_nodes(args.nodes) if args.nodes else None
+    if args.node_rank is None and args.node_name_env and nodes:
+        name = os.environ.get(args.node_name_env, "")
+        hosts = [node.host for node in nodes]
+        if name not in hosts:
+            raise ValueError(f"{args.node_name_env}={name!r} is not one of the nodes {hosts}")
+        args.node_rank = hosts.index(name)
+    if args.node_rank is None:
+        args.node_rank = 0
+    if nodes is None:
+        return
+    if not 0 <= args.node_rank < len(nodes):
+        raise ValueError(f"node rank {args.node_rank} is outside 0..{len(nodes) - 1}")
+    node = nodes[args.node_rank]
+    args.num_nodes, args.nproc_per_node, args.node_name = len(nodes), node.num_slots, node.host
+    if node.slot_ids != tuple(range(node.num_slots)):
+        args.device_ids = ",".join(str(s) for s in node.slot_ids)
 
 
 def rank_command(args: argparse.Namespace, local_rank_arg: str) -> list[str]:
@@ -163,13 +209,52 @@ def watch_parent(parent_pid: int | None, interval_s: float = 0.5) -> None:
     def _watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(interval_s)
-        # Repeat: a signal that lands while the elastic agent is still starting can be swallowed
-        # by its retry loops; a later one reaches its handler once the ranks run.
-        while True:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(2.0)
+        _terminate_self()
 
     threading.Thread(target=_watch, name="zrun-parent-watch", daemon=True).start()
+
+
+def watch_stdin_eof() -> None:
+    """Start a daemon thread that sends SIGTERM to this process when stdin reaches EOF; the
+    ranks get /dev/null as stdin instead, so they neither read the channel nor keep it open."""
+    channel = os.dup(0)  # not inherited by the ranks (os.dup makes non-inheritable fds)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+    def _watch() -> None:
+        while os.read(channel, 65536):
+            pass
+        _terminate_self()
+
+    threading.Thread(target=_watch, name="zrun-stdin-watch", daemon=True).start()
+
+
+def watch_hangup(interval_ms: int = 500) -> None:
+    """Start a daemon thread that sends SIGTERM to this process when the reader of its stdout
+    or stderr (a pipe or socket: sshd, srun's step daemon, orted) closes; ttys and files are
+    not watched."""
+    poller = select.poll()
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+                poller.register(fd, 0)  # no events asked: POLLERR/POLLHUP are always reported
+
+    def _watch() -> None:
+        while not poller.poll(interval_ms):
+            pass
+        _terminate_self()
+
+    threading.Thread(target=_watch, name="zrun-hangup-watch", daemon=True).start()
+
+
+def _terminate_self() -> None:
+    # Repeat: a signal that lands while the elastic agent is still starting can be swallowed
+    # by its retry loops; a later one reaches its handler once the ranks run.
+    while True:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2.0)
 
 
 def _quiet_elastic_logs(verbose: bool) -> None:
@@ -234,9 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m zero.launcher.agent``; returns the node's exit code.
 
     Raises:
-        ValueError: --nproc_per_node or --num_nodes < 1, or --log_dir that cannot be created.
+        ValueError: --nproc_per_node or --num_nodes < 1, a node rank that cannot be resolved
+            (see resolve_node), or --log_dir that cannot be created.
     """
     args = build_parser().parse_args(argv)
+    resolve_node(args)
     if args.nproc_per_node < 1 or args.num_nodes < 1:
         raise ValueError(
             f"--nproc_per_node and --num_nodes must be >= 1, got {args.nproc_per_node} "
@@ -251,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signum, _raise_signal_exception)
         configure_environment(args)
         become_subreaper()
+        if args.exit_on_stdin_eof:
+            watch_stdin_eof()
+        if args.exit_on_hangup:
+            watch_hangup()
         watch_parent(args.parent_pid)
         return run_ranks(args, work_dir)
     except SignalException as error:

@@ -4,6 +4,8 @@ import argparse
 import os
 
 from .hostfile import DEFAULT_HOSTFILE, ResourcePool, parse_hostfile, select_resources
+from .nodelist import expand_nodelist
+from .remote import LAUNCHERS
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -40,6 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MASTER_PORT,
         help=f"rendezvous TCP port (default {DEFAULT_MASTER_PORT}; 0 picks a free port)",
     )
+    add(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="ssh",
+        help="how to start the agents of a multi-node job (default ssh)",
+    )
+    add(
+        "--launcher_args",
+        default="",
+        help="extra words for ssh/pdsh/srun/mpirun, one string split like a shell would",
+    )
+    add("--ssh_port", type=int, default=None, help="ssh port on every ssh call (default: ssh's)")
+    add(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a variable on every rank (repeatable; wins over .zero_env)",
+    )
+    add("--force_multi", action="store_true", help="use --launcher even if all hosts are local")
+    add("--no_ssh", action="store_true", help="start only this node's agent (with --node_rank)")
+    add("--node_rank", type=int, default=None, help="with --no_ssh: this node's rank")
     add("--log_dir", default=None, help="write each rank's stdout+stderr to LOG_DIR/rankR.log")
     add("-m", "--module", action="store_true", help="run the script as 'python -m MODULE'")
     add("--no_python", action="store_true", help="run the script as an executable")
@@ -72,6 +96,10 @@ def resource_pool(args: argparse.Namespace) -> ResourcePool:
     if hostfile is not None:
         pool = {host: list(range(n)) for host, n in parse_hostfile(hostfile).items()}
         return select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
+    if args.launcher == "slurm" and "SLURM_JOB_NODELIST" in os.environ:
+        return _slurm_pool(args)
+    if args.no_ssh and args.num_nodes is not None:
+        return _numbered_pool(args)
     if args.num_nodes not in (None, 1):
         raise ValueError(f"--num_nodes {args.num_nodes} needs a --hostfile listing the nodes")
     if args.num_gpus is not None and args.num_gpus <= 0:
@@ -85,3 +113,23 @@ def local_device_count() -> int:
     import torch  # imported only here: zrun itself does not need torch otherwise
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _slurm_pool(args: argparse.Namespace) -> ResourcePool:
+    # The allocation's nodes, in SLURM's order, with --num_gpus (else this node's) slots each.
+    num_slots = args.num_gpus or local_device_count()
+    hosts = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
+    pool = {host: list(range(num_slots)) for host in hosts}
+    return select_resources(pool, args.include, args.exclude, args.num_nodes)
+
+
+def _numbered_pool(args: argparse.Namespace) -> ResourcePool:
+    # torchrun's style: --num_nodes N --num_gpus G --node_rank K --master_addr HOST, no hostfile.
+    if args.num_nodes < 1:
+        raise ValueError(f"--num_nodes must be >= 1, got {args.num_nodes}")
+    if args.num_nodes > 1 and args.master_addr is None:
+        raise ValueError("--no_ssh with --num_nodes > 1 needs --master_addr (node 0's address)")
+    num_slots = args.num_gpus or local_device_count()
+    if args.num_nodes == 1:
+        return {"localhost": list(range(num_slots))}
+    return {f"node{i}": list(range(num_slots)) for i in range(args.num_nodes)}

@@ -6,6 +6,7 @@ a comment and blank lines are ignored. A resource pool is an ordered mapping hos
 The order of the hostfile is the order of node ranks.
 """
 
+import difflib
 import os
 import re
 
@@ -31,14 +32,17 @@ def parse_hostfile(path: str) -> dict[str, int]:
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     hosts: dict[str, int] = {}
+    first_line: dict[str, int] = {}
     for line_number, line in enumerate(lines, start=1):
         content = line.split("#", 1)[0].strip()
         if not content:
             continue
         host, num_slots = _parse_line(content, path, line_number, line)
         if host in hosts:
-            raise _line_error(path, line_number, line, f"host '{host}' is listed twice")
+            reason = f"host '{host}' is listed twice (lines {first_line[host]} and {line_number})"
+            raise _line_error(path, line_number, line, reason)
         hosts[host] = num_slots
+        first_line[host] = line_number
     if not hosts:
         raise ValueError(f"hostfile '{path}' lists no host; expected lines 'hostname slots=N'")
     return hosts
@@ -49,9 +53,11 @@ def _parse_line(content: str, path: str, line_number: int, line: str) -> tuple[s
     if len(fields) != 2:
         raise _line_error(path, line_number, line, "expected 'hostname slots=N'")
     host, slots_field = fields
+    if host.startswith("-"):
+        raise _line_error(path, line_number, line, f"host name '{host}' starts with '-'")
     match = _SLOTS_RE.match(slots_field)
     if match is None:
-        raise _line_error(path, line_number, line, "missing 'slots=N'")
+        raise _line_error(path, line_number, line, "missing 'slots=N'" + _slots_hint(slots_field))
     try:
         num_slots = int(match.group(1))
     except ValueError:
@@ -61,6 +67,13 @@ def _parse_line(content: str, path: str, line_number: int, line: str) -> tuple[s
     if num_slots <= 0:
         raise _line_error(path, line_number, line, f"slots must be > 0, got {num_slots}")
     return host, num_slots
+
+
+def _slots_hint(field: str) -> str:
+    key, sep, value = field.partition("=")
+    if sep and key != "slots" and difflib.get_close_matches(key, ["slots"], n=1, cutoff=0.6):
+        return f" (did you mean 'slots={value}' instead of '{field}'?)"
+    return ""
 
 
 def _line_error(path: str, line_number: int, line: str, reason: str) -> ValueError:

@@ -1,8 +1,11 @@
-"""Runners: start the per-node agent on every node of a world layout and wait for the job.
+"""Runners: start the processes of a job (one agent per node, or the ssh clients, pdsh, srun or
+mpirun that start them) and wait for the job.
 
-For now only nodes that are this machine are supported (``LocalRunner``: the agent is a
-subprocess of zrun). Multi-node runners (ssh, pdsh, SLURM srun, mpirun) will build the same
-agent command and start it remotely; the agent ends its ranks when its channel closes.
+zrun watches every process it started: the first one that exits non-zero makes zrun stop the
+others and its code becomes zrun's; SIGINT/SIGTERM/SIGHUP to zrun stop them all. A process whose
+stdin is the agent's channel (ssh, pdsh) is stopped by closing that stdin: the remote agent sees
+EOF, ends its ranks and exits, and its ssh client exits with the agent's code. Other processes
+(local agents, srun, mpirun) get SIGTERM, which srun and mpirun pass on to the agents.
 """
 
 import contextlib
@@ -11,11 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
-from .world import NodeSpec, WorldLayout, is_local_host
+from .world import NodeSpec, WorldLayout
 
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Extra time an agent gets, beyond its ranks' SIGTERM->SIGKILL grace, to sweep and exit.
@@ -25,7 +28,11 @@ _POLL_INTERVAL_S = 0.05
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What every rank runs and how the agents treat it (the zrun flags after the layout)."""
+    """What every rank runs and how the agents treat it (the zrun flags after the layout).
+
+    ``env`` holds the variables every rank gets on top of its node's environment (see
+    environment.job_environment).
+    """
 
     script: str
     script_args: tuple[str, ...]
@@ -36,65 +43,84 @@ class JobSpec:
     log_dir: str | None = None
     shutdown_timeout: int = 5
     verbose: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One process zrun starts: its name in messages, command, environment (None: zrun's) and
+    whether its stdin is the channel that keeps the remote agents alive."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str] | None = None
+    stdin_channel: bool = False
+
+
+def job_flags(job: JobSpec) -> list[str]:
+    """The agent flags every node shares: run id, shutdown timeout, log dir and script kind."""
+    flags = ["--run_id", job.run_id, "--shutdown_timeout", str(job.shutdown_timeout)]
+    if job.log_dir:
+        flags += ["--log_dir", os.path.abspath(job.log_dir)]
+    for flag in ("module", "no_python", "no_local_rank", "verbose"):
+        if getattr(job, flag):
+            flags.append(f"--{flag}")
+    return flags
 
 
 def agent_command(layout: WorldLayout, node: NodeSpec, job: JobSpec) -> list[str]:
-    """The command line that starts ``node``'s agent (``python -m zero.launcher.agent``)."""
+    """The command line that starts ``node``'s agent on this machine, as a child of zrun."""
     command = [sys.executable, "-u", "-m", "zero.launcher.agent"]
     command += ["--node_rank", str(node.node_rank), "--num_nodes", str(layout.num_nodes)]
     command += ["--nproc_per_node", str(node.num_slots), "--node_name", node.host]
     command += ["--master_addr", layout.master_addr, "--master_port", str(layout.master_port)]
-    command += ["--run_id", job.run_id, "--shutdown_timeout", str(job.shutdown_timeout)]
-    if is_local_host(node.host):
-        command += ["--parent_pid", str(os.getpid())]
+    command += ["--parent_pid", str(os.getpid())]
     if node.slot_ids != tuple(range(node.num_slots)):
         command += ["--device_ids", ",".join(str(s) for s in node.slot_ids)]
-    if job.log_dir:
-        command += ["--log_dir", os.path.abspath(job.log_dir)]
-    for flag in ("module", "no_python", "no_local_rank", "verbose"):
-        if getattr(job, flag):
-            command.append(f"--{flag}")
-    return [*command, job.script, *job.script_args]
+    return [*command, *job_flags(job), job.script, *job.script_args]
 
 
-def check_local_only(layout: WorldLayout) -> None:
-    """Raises NotImplementedError naming the first host that is not this machine."""
-    for node in layout.nodes:
-        if not is_local_host(node.host):
-            raise NotImplementedError(
-                f"host '{node.host}' (node {node.node_rank}) is not this machine, and multi-node "
-                "runners (ssh, pdsh, slurm, mpirun) are not available yet; use hosts that are "
-                "this machine (localhost, 127.x, its hostname or IPs)"
-            )
+def local_launches(
+    layout: WorldLayout, job: JobSpec, nodes: tuple[NodeSpec, ...] | None = None
+) -> list[Launch]:
+    """One agent subprocess per node of ``nodes`` (default: every node of the layout)."""
+    env = {**os.environ, **job.env}
+    return [
+        Launch(f"node {node.node_rank} '{node.host}'", agent_command(layout, node, job), env)
+        for node in (layout.nodes if nodes is None else nodes)
+    ]
 
 
-class LocalRunner:
-    """Runs each node's agent as a subprocess of zrun; every node must be this machine.
+class JobRunner:
+    """Starts the launches, waits for the job, and stops everything on a failure or a signal.
 
-    zrun forwards SIGINT/SIGTERM/SIGHUP to the agents as SIGTERM; the first agent that exits
-    non-zero makes zrun stop the others, and its code becomes zrun's.
+    ``report_failures``: print which launch failed (remote runners; a local agent already
+    reports the failed rank itself).
     """
 
-    def __init__(self, layout: WorldLayout, job: JobSpec):
-        check_local_only(layout)
-        self.layout = layout
-        self.job = job
-        self._agents: list[subprocess.Popen] = []
+    def __init__(self, launches: list[Launch], shutdown_timeout: int, report_failures: bool):
+        self.launches = launches
+        self.shutdown_timeout = shutdown_timeout
+        self.report_failures = report_failures
+        self._procs: list[subprocess.Popen] = []
         self._received_signal: int | None = None
 
     def run(self) -> int:
-        """Start every agent and wait for the job; returns zrun's exit code (0, the first failed
-        node's code, or 128 + N after zrun received signal N)."""
+        """Start every launch and wait; returns zrun's exit code (0, the first failed launch's
+        code, or 128 + N after zrun received signal N)."""
         previous = {s: signal.signal(s, self._on_signal) for s in _FORWARDED_SIGNALS}
         try:
-            for node in self.layout.nodes:
+            for launch in self.launches:
                 # Own session: a terminal's Ctrl-C reaches zrun only, which then stops the
-                # agents in order instead of every process getting SIGINT at once.
-                command = agent_command(self.layout, node, self.job)
-                self._agents.append(subprocess.Popen(command, start_new_session=True))
+                # others in order instead of every process getting SIGINT at once.
+                stdin = subprocess.PIPE if launch.stdin_channel else None
+                proc = subprocess.Popen(
+                    launch.command, env=launch.env, stdin=stdin, start_new_session=True
+                )
+                self._procs.append(proc)
             return self._wait()
         finally:
-            self._stop_agents()
+            self._stop_all()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -103,36 +129,45 @@ class LocalRunner:
             name = signal.Signals(signum).name
             print(f"zrun: received {name}, stopping all ranks", file=sys.stderr, flush=True)
         self._received_signal = signum
-        self._signal_agents(signal.SIGTERM)
+        self._ask_to_stop()
 
-    def _signal_agents(self, signum: int) -> None:
-        for agent in self._agents:
-            if agent.poll() is None:
+    def _ask_to_stop(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is not None:
+                continue
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            else:
                 with contextlib.suppress(ProcessLookupError):
-                    agent.send_signal(signum)
+                    proc.send_signal(signal.SIGTERM)
 
     def _wait(self) -> int:
         while True:
             if self._received_signal is not None:
                 return 128 + self._received_signal
-            codes = [agent.poll() for agent in self._agents]
-            failed = next((c for c in codes if c not in (None, 0)), None)
+            codes = [proc.poll() for proc in self._procs]
+            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None:
-                return 128 - failed if failed < 0 else failed
+                code = codes[failed]
+                if self.report_failures:
+                    name = self.launches[failed].name
+                    print(f"zrun: {name} failed (code {code}), stopping the job", file=sys.stderr)
+                return 128 - code if code < 0 else code
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(_POLL_INTERVAL_S)
 
-    def _stop_agents(self) -> None:
-        """SIGTERM the agents still running; kill an agent and its whole tree if it hangs."""
-        self._signal_agents(signal.SIGTERM)
-        deadline = time.monotonic() + self.job.shutdown_timeout + _AGENT_EXIT_MARGIN_S
-        for agent in self._agents:
+    def _stop_all(self) -> None:
+        """Ask every process still running to stop; kill one and its whole tree if it hangs."""
+        self._ask_to_stop()
+        deadline = time.monotonic() + self.shutdown_timeout + _AGENT_EXIT_MARGIN_S
+        for proc in self._procs:
             try:
-                agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill_tree(agent.pid)
-                agent.wait()
+                _kill_tree(proc.pid)
+                proc.wait()
 
 
 def _kill_tree(pid: int) -> None:

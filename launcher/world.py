@@ -50,8 +50,9 @@ class WorldLayout:
 def build_layout(pool: ResourcePool, master_addr: str | None, master_port: int) -> WorldLayout:
     """Turn a resource pool into a world layout.
 
-    ``master_addr`` defaults to 127.0.0.1 when the first host is this machine, else to the first
-    host. ``master_port`` 0 picks a free port on this machine.
+    ``master_addr`` defaults to 127.0.0.1 when every host is this machine, else to the first
+    host resolved to an address the other nodes can reach (see master_address). ``master_port``
+    0 picks a free port on this machine.
 
     Raises:
         ValueError: master_port outside 0..65535.
@@ -64,9 +65,8 @@ def build_layout(pool: ResourcePool, master_addr: str | None, master_port: int) 
         NodeSpec(node_rank=i, host=host, slot_ids=tuple(slot_ids))
         for i, (host, slot_ids) in enumerate(pool.items())
     )
-    first_host = nodes[0].host
     if master_addr is None:
-        master_addr = "127.0.0.1" if is_local_host(first_host) else first_host
+        master_addr = master_address([node.host for node in nodes])
     if master_port == 0:
         if not is_local_host(master_addr):
             raise NotImplementedError(
@@ -74,6 +74,66 @@ def build_layout(pool: ResourcePool, master_addr: str | None, master_port: int) 
             )
         master_port = find_free_port()
     return WorldLayout(nodes=nodes, master_addr=master_addr, master_port=master_port)
+
+
+def master_address(hosts: list[str]) -> str:
+    """The rendezvous address for a job on ``hosts`` (node 0 first).
+
+    Every host this machine: 127.0.0.1. Node 0 this machine, others remote: the address this
+    machine uses to reach the first remote host (so not a loopback name such as 'localhost').
+    Node 0 remote: its IP address as resolved here, or the name itself if it does not resolve
+    here (an ssh alias, say; the nodes may still resolve it).
+    """
+    remote = [host for host in hosts if not is_local_host(host)]
+    if not remote:
+        return "127.0.0.1"
+    if is_local_host(hosts[0]):
+        return _source_address_towards(remote[0])
+    try:
+        return socket.gethostbyname(hosts[0])
+    except OSError:
+        return hosts[0]
+
+
+def _source_address_towards(host: str) -> str:
+    # Connecting a UDP socket sends nothing; it only asks the kernel which local address routes
+    # to the host, which is the address that host can use to reach us.
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((socket.gethostbyname(host), 9))
+            return sock.getsockname()[0]
+    except OSError:
+        pass
+    # The host does not resolve here (an ssh alias, say): any non-loopback IPv4 address.
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family == socket.AF_INET and not addr.address.startswith("127."):
+                return addr.address
+    return socket.gethostname()
+
+
+def format_nodes(nodes: tuple[NodeSpec, ...]) -> str:
+    """Encode nodes for the agent's --nodes flag: ``host:0,1@host2:0,1`` in node-rank order."""
+    return "@".join(f"{node.host}:{','.join(str(s) for s in node.slot_ids)}" for node in nodes)
+
+
+def parse_nodes(spec: str) -> tuple[NodeSpec, ...]:
+    """Inverse of format_nodes (a host is split off its slots at the last ':', so IPv6 works).
+
+    Raises:
+        ValueError: an entry without slots or with a non-integer slot id.
+    """
+    nodes = []
+    for node_rank, entry in enumerate(spec.split("@")):
+        host, _, slots = entry.rpartition(":")
+        try:
+            slot_ids = tuple(int(s) for s in slots.split(","))
+        except ValueError:
+            raise ValueError(f"--nodes {spec!r}: bad entry {entry!r}, expected host:0,1") from None
+        if not host:
+            raise ValueError(f"--nodes {spec!r}: bad entry {entry!r}, expected host:0,1")
+        nodes.append(NodeSpec(node_rank=node_rank, host=host, slot_ids=slot_ids))
+    return tuple(nodes)
 
 
 def find_free_port() -> int:

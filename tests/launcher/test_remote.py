@@ -9,6 +9,7 @@ import sys
 import pytest
 from zrun_helpers import write
 
+import zero.launcher as zero_launcher
 from zero.comm import read_launch_env
 from zero.launcher import agent, build_parser, plan_launches
 from zero.launcher import remote as remote_module
@@ -130,6 +131,8 @@ def test_plan_no_ssh_starts_only_the_given_node():
     for flag, value in [("--node_rank", "1"), ("--num_nodes", "2"), ("--nproc_per_node", "3")]:
         assert command[command.index(flag) + 1] == value
     assert command[command.index("--master_addr") + 1] == "10.0.0.1"
+    # Nodes started by hand must agree on the rendezvous id without talking to each other.
+    assert zero_launcher._run_id(args) == "zrun-no_ssh-29500"
     with pytest.raises(ValueError, match="only used with --no_ssh"):
         plan_launches(_parse_zrun("--node_rank", "1"), layout, JOB)
 
