@@ -177,13 +177,15 @@ def _write_rank_file(engine, directory: str) -> None:
     shard = _written_shard(engine.optimizer.layout, engine.comm.rank)
     if shard is not None:
         state = engine.optimizer.optimizer.state
+        kinds = _sharded_state_keys(engine)
         for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items():
-            # The owned, unpadded part of a bucket is the head of its shard (padding is at the end).
-            pieces = [b.master[: hi - lo] for lo, hi, b in ranges]
-            tensors[f"group{group}.master"] = torch.cat(pieces).float().cpu()
-            for key in _sharded_state_keys(engine):
-                parts = [state[b.master][key][: hi - lo] for lo, hi, b in ranges]
-                tensors[f"group{group}.{key}"] = torch.cat(parts).float().cpu()
+            for index, (lo, hi, bucket) in enumerate(ranges):
+                # The owned, unpadded part of a bucket is the head of its shard (padding is at
+                # the end); a prefix view is written without a copy.
+                tensors[f"group{group}.master.{index}"] = bucket.master[: hi - lo].float().cpu()
+                for kind in kinds:
+                    value = state[bucket.master][kind][: hi - lo]
+                    tensors[f"group{group}.{kind}.{index}"] = value.float().cpu()
     _save_safetensors(tensors, os.path.join(directory, rank_file(engine.comm.rank)))
 
 
@@ -378,30 +380,46 @@ class GroupReader:
         self.pieces: dict[str, list[tuple[int, int, int, str]]] = {}
         for rank, groups in meta["ranks"].items():
             for group, ranges in groups.items():
-                offset = 0
-                for lo, hi in ranges:
-                    self.pieces.setdefault(group, []).append((lo, hi, offset, rank_file(int(rank))))
-                    offset += hi - lo
+                for index, (lo, hi) in enumerate(ranges):
+                    self.pieces.setdefault(group, []).append((lo, hi, index, rank_file(int(rank))))
         self._handles: dict[str, object] = {}
 
-    def read(self, group: int, kind: str, begin: int, end: int) -> torch.Tensor:
-        out = torch.zeros(end - begin, dtype=torch.float32)
-        covered = 0
-        for lo, hi, offset, file in self.pieces.get(str(group), []):
+    def _overlaps(self, group: int, kind: str, begin: int, end: int):
+        """(a, b, piece_lo, file, key) for each saved piece overlapping [begin, end); raises
+        CheckpointError when a tensor is missing, has the wrong size, or elements are uncovered."""
+        covered, out = 0, []
+        for lo, hi, index, file in self.pieces.get(str(group), []):
             a, b = max(lo, begin), min(hi, end)
             if a >= b:
                 continue
+            key = f"group{group}.{kind}.{index}"
             handle = self._handle(file)
-            key = f"group{group}.{kind}"
-            if key not in handle.keys():
-                raise CheckpointError(f"{os.path.join(self.path, file)}: tensor '{key}' missing")
-            out[a - begin : b - begin] = handle.get_slice(key)[offset + a - lo : offset + b - lo]
+            if key not in handle.keys() or handle.get_slice(key).get_shape() != [hi - lo]:
+                raise CheckpointError(
+                    f"{os.path.join(self.path, file)}: tensor '{key}' is missing or not of "
+                    f"{hi - lo} elements"
+                )
+            out.append((a, b, lo, file, key))
             covered += b - a
         if covered != end - begin:
             raise CheckpointError(
                 f"{self.path}: group {group} elements [{begin}, {end}) of '{kind}' are not held "
                 "by any rank file"
             )
+        return out
+
+    def check(self, group: int, kind: str, begin: int, end: int) -> None:
+        self._overlaps(group, kind, begin, end)
+
+    def read_into(self, group: int, kind: str, begin: int, out: torch.Tensor) -> None:
+        """Fill `out` (1-D, fp32) with elements [begin, begin + out.numel())."""
+        end = begin + out.numel()
+        for a, b, lo, file, key in self._overlaps(group, kind, begin, end):
+            out[a - begin : b - begin].copy_(self._handle(file).get_slice(key)[a - lo : b - lo])
+
+    def read(self, group: int, kind: str, begin: int, end: int) -> torch.Tensor:
+        out = torch.empty(end - begin, dtype=torch.float32)
+        self.read_into(group, kind, begin, out)
         return out
 
     def _handle(self, file: str):
@@ -446,32 +464,28 @@ def _differences(saved: dict, current: dict) -> list[str]:
 
 
 def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_only):
-    """Read a checkpoint into the engine; see Engine.load_checkpoint. Everything is read and
-    verified before any engine state changes."""
-    path = resolve(load_dir, tag)
-    meta = read_meta(path)
-    module_values, module_problems = _read_module_file(path, engine.module, strict)
-    problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)] + module_problems
-    if problems:
-        raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
+    """Read a checkpoint into the engine; see Engine.load_checkpoint. Everything is verified on
+    every rank (and the ranks agree on it) before any engine state changes."""
     load_optimizer = load_optimizer and not module_only
-    optimizer_name = type(engine.optimizer.optimizer).__name__
-    if load_optimizer and meta["optimizer"] != optimizer_name:
-        raise CheckpointError(
-            f"{os.path.join(path, META)}: optimizer {meta['optimizer']!r} was saved, this run uses "
-            f"{optimizer_name!r}; pass load_optimizer_states=False to load the weights only"
+    failed = torch.zeros(1)
+    try:
+        path, meta, reader, owned, kinds, module_values = _verify(
+            engine, load_dir, tag, strict, load_optimizer
         )
-    kinds = ["master"] + (meta["sharded_state"] if load_optimizer else [])
-    reader = GroupReader(path, meta)
-    shard = engine.optimizer.layout.shard_of(engine.comm.rank)
-    staged = [
-        (bucket, {kind: reader.read(group, kind, lo, hi) for kind in kinds})
-        for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items()
-        for lo, hi, bucket in ranges
-    ]
+    except Exception:
+        failed += 1
+        engine.comm.all_reduce(failed, op="max")
+        raise
+    engine.comm.all_reduce(failed, op="max")
+    if failed.item():
+        raise CheckpointError(
+            f"rank {engine.comm.rank}: another rank could not verify the checkpoint in {load_dir}; "
+            "see its error"
+        )
     rng = _read_rng(path, meta, engine.comm.rank)
+    # Verified: from here on state changes. Values are read straight into their destinations.
     with torch.no_grad():
-        _apply_shards(engine, meta, staged, load_optimizer)
+        _read_shards(engine, meta, reader, owned, kinds, load_optimizer)
         for tensor, value in module_values:
             tensor.copy_(value.to(tensor.dtype))
         engine.optimizer.refresh_params()
@@ -481,6 +495,35 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
             torch.set_rng_state(rng)
             random.setstate(_as_tuple(meta["python_rng"]))
     return path, meta["client_state"]
+
+
+def _verify(engine, load_dir, tag, strict, load_optimizer):
+    """Resolve, read metadata, and check every file, key and range this rank will read."""
+    path = resolve(load_dir, tag)
+    meta = read_meta(path)
+    module_values, module_problems = _read_module_file(path, engine.module, strict)
+    problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)] + module_problems
+    if problems:
+        raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
+    optimizer_name = type(engine.optimizer.optimizer).__name__
+    if load_optimizer and meta["optimizer"] != optimizer_name:
+        raise CheckpointError(
+            f"{os.path.join(path, META)}: optimizer {meta['optimizer']!r} was saved, this run uses "
+            f"{optimizer_name!r}; pass load_optimizer_states=False to load the weights only"
+        )
+    kinds = ["master"] + (meta["sharded_state"] if load_optimizer else [])
+    reader = GroupReader(path, meta)
+    shard = engine.optimizer.layout.shard_of(engine.comm.rank)
+    owned = [
+        (group, lo, hi, bucket)
+        for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items()
+        for lo, hi, bucket in ranges
+    ]
+    for group, lo, hi, _ in owned:
+        for kind in kinds:
+            reader.check(group, kind, lo, hi)
+    _read_rng(path, meta, engine.comm.rank)
+    return path, meta, reader, owned, kinds, module_values
 
 
 def _read_module_file(path: str, module, strict: bool):
@@ -513,24 +556,31 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
-def _apply_shards(engine, meta, staged, load_optimizer: bool) -> None:
+def _read_shards(engine, meta, reader, owned, kinds, load_optimizer: bool) -> None:
     state = engine.optimizer.optimizer.state
-    for bucket, values in staged:
-        for kind, value in values.items():
-            value = value.to(bucket.master.device)
+    for group, lo, hi, bucket in owned:
+        for kind in kinds:
             if kind == "master":
-                bucket.master[: value.numel()].copy_(value)
+                target = bucket.master
             else:
-                full = torch.zeros_like(bucket.master)
-                full[: value.numel()].copy_(value)
-                state.setdefault(bucket.master, {})[kind] = full
+                per_param = state.setdefault(bucket.master, {})
+                if kind not in per_param:
+                    per_param[kind] = torch.zeros_like(bucket.master)
+                target = per_param[kind]
+            _read_to_device(reader, group, kind, lo, target[: hi - lo])
         if load_optimizer:
-            scalars = meta["scalar_state"].get(str(bucket.layout.group), {})
-            for key, item in scalars.items():
+            for key, item in meta["scalar_state"].get(str(group), {}).items():
                 value = item["value"]
                 if item["tensor"]:
                     value = torch.tensor(value, dtype=getattr(torch, item["tensor"][6:]))
                 state.setdefault(bucket.master, {})[key] = value
+
+
+def _read_to_device(reader, group: int, kind: str, begin: int, target: torch.Tensor) -> None:
+    if target.device.type == "cpu" and target.dtype == torch.float32:
+        reader.read_into(group, kind, begin, target)
+    else:
+        target.copy_(reader.read(group, kind, begin, begin + target.numel()))
 
 
 def _apply_training_state(engine, meta, load_optimizer: bool, load_scheduler: bool) -> None:

@@ -41,12 +41,22 @@ def global_batches(steps):
 
 
 class SubgroupMPU:
-    """A data-parallel group made of the first `size` ranks (Megatron-style mpu interface)."""
+    """A data-parallel group made of the first `size` ranks, no model parallelism (the
+    Megatron-style mpu interface)."""
 
-    def __init__(self, group, size):
+    def __init__(self, group, size, single):
         import torch.distributed as dist
 
-        self.group, self.size, self.rank = group, size, dist.get_rank()
+        self.group, self.size, self.rank, self.single = group, size, dist.get_rank(), single
+
+    def get_model_parallel_group(self):
+        return self.single
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
 
     def get_data_parallel_group(self):
         return self.group
@@ -101,10 +111,12 @@ def chain(root, cases):
         },
     )
     groups = [dist.new_group(list(range(size))) for size in CHAIN]
+    singles = [dist.new_group([rank]) for rank in range(max(CHAIN))]
+    single = singles[dist.get_rank()]
     links = []
     for index, size in enumerate(CHAIN):
         if dist.get_rank() < size:
-            links.append(chain_link(root, index, cases, SubgroupMPU(groups[index], size)))
+            links.append(chain_link(root, index, cases, SubgroupMPU(groups[index], size, single)))
         dist.barrier()
     return links, tag_mismatch(root)
 
