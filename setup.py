@@ -63,8 +63,11 @@ setup(
     ],
     extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"]},
     entry_points={
-        "console_scripts": ["zrun=zero.launcher:main", "zero-report=zero.ops.report:main"]
+        "console_scripts": [
+            "zrun=zero.launcher:main",
+            "zero-report=zero.ops.report:main",
+            "zero-to-fp32=zero.zero_to_fp32:main",
+        ]
     },
     cmdclass={"build_py": BuildPyWithOps, "develop": DevelopWithOps},
-    scripts=[],
 )

@@ -6,17 +6,19 @@ One process, one fp32 parameter of --numel elements, the same hyper-parameters (
 decay 0.01) for every row. Rows: cpu_adam (the compiled op through CPUAdam), cpu_adam writing a
 bf16 copy in the same pass, torch.optim.Adam with foreach=True and with fused=True, and
 DeepSpeed's DeepSpeedCPUAdam when deepspeed is importable. Beside them: the memory bandwidth
-of a triad a = b + s * c (STREAM's count: 12 bytes per element, no write-allocate) and the
-bound it puts on Adam, which must read params, grads, exp_avg, exp_avg_sq and write three of
+of an in-place triad a += s * b (12 bytes per element, the same read-then-write-back pattern as
+Adam, so no write-allocate traffic either side), timed in the same rounds, and the bound it puts
+on Adam, which must read params, grads, exp_avg, exp_avg_sq and write three of
 them back: 28 bytes per element (30 with the bf16 copy).
 
-Prints a markdown table of elements per second (best and median over --steps timed steps) and
-the implied bytes per second. A measurement script, not a test: nothing asserts on time. Other
-load on the machine lowers every row; rerun when it is quiet and compare rows of one run.
+Every row is allocated up front (about 0.8 GB per row at 50M elements), then --steps rounds
+each time one step of every row in turn. Prints a markdown table of elements per second (best
+and median over the rounds) and the implied bytes per second. A measurement script, not a
+test: nothing asserts on time. Other load on the machine lowers every row; rerun when it is
+quiet and compare rows of one run.
 """
 
 import argparse
-import gc
 import statistics
 import time
 
@@ -25,6 +27,7 @@ import torch
 from zero.ops import CPUAdam
 
 ADAM_BYTES = 28
+TRIAD_BYTES = 12
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -39,10 +42,9 @@ def _time(fn, steps, warmup):
     return min(times), statistics.median(times)
 
 
-def triad_bytes_per_s(numel, steps):
-    b, c, a = torch.rand(numel), torch.rand(numel), torch.empty(numel)
-    best, _ = _time(lambda: torch.add(b, c, alpha=3.0, out=a), steps, 2)
-    return 12 * numel / best
+def _triad(numel):
+    a, b = torch.rand(numel), torch.rand(numel)
+    return lambda: a.add_(b, alpha=3.0)
 
 
 def _param(numel):
@@ -53,7 +55,7 @@ def _param(numel):
 
 
 def _optimizers(numel):
-    """(name, bytes per element, step function) for each row, built lazily to bound memory."""
+    """(name, bytes per element, make) for each row; make() allocates the row's tensors."""
 
     def cpu_adam():
         param = _param(numel)
@@ -96,22 +98,32 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row")
     args = parser.parse_args()
 
-    triad = triad_bytes_per_s(args.numel, args.steps)
+    rows = [("triad a += s * b", TRIAD_BYTES, _triad(args.numel))]
+    rows += [(name, nbytes, make()) for name, nbytes, make in _optimizers(args.numel)]
+    for _, _, step in rows:
+        for _ in range(args.warmup):
+            step()
+    # Interleaved rounds (one step of each row per round) so load from other processes, which
+    # comes and goes, falls on every row alike instead of on whichever row ran during it.
+    times = {name: [] for name, _, _ in rows}
+    for _ in range(args.steps):
+        for name, _, step in rows:
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    triad = TRIAD_BYTES * args.numel / min(times[rows[0][0]])
     print(f"numel {args.numel:,}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"triad bandwidth {triad / 1e9:.1f} GB/s -> Adam bound {triad / ADAM_BYTES / 1e9:.2f} "
           f"Gelem/s at {ADAM_BYTES} bytes/element\n")  # fmt: skip
-    print("| optimizer | best Gelem/s | median Gelem/s | GB/s (best) | of triad |")
+    print("| row | best Gelem/s | median Gelem/s | GB/s (best) | of triad |")
     print("| --- | --- | --- | --- | --- |")
-    for name, bytes_per_element, make in _optimizers(args.numel):
-        step = make()
-        best, median = _time(step, args.steps, args.warmup)
+    for name, bytes_per_element, _ in rows:
+        best, median = min(times[name]), statistics.median(times[name])
         rate = args.numel / best
         print(
             f"| {name} | {rate / 1e9:.3f} | {args.numel / median / 1e9:.3f} | "
             f"{rate * bytes_per_element / 1e9:.1f} | {rate * bytes_per_element / triad:.0%} |"
         )
-        del step
-        gc.collect()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ from zero.ops import builder as builder_module
 from zero.ops.builder import BuildState, CPUAdamBuilder, SimdLevel, get_builder, simd_level
 from zero.ops.report import main as report_main
 
+# The first test to use the cpu_adam_op fixture builds the op (1-3 minutes on 2 cores).
+pytestmark = pytest.mark.timeout(900)
+
 
 def test_second_process_reuses_the_cached_build(cpu_adam_op):
     builder = get_builder("cpu_adam")

@@ -12,6 +12,9 @@ import torch
 
 from zero.ops import CPUAdam, adam_reference
 
+# The first test to use the cpu_adam_op fixture builds the op (1-3 minutes on 2 cores).
+pytestmark = pytest.mark.timeout(900)
+
 SIZES = [0, 1, 7, 15, 16, 17, 1_000_003]
 STEPS = 50
 TOL = 1e-6
