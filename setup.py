@@ -59,9 +59,10 @@ setup(
         "ninja>=1.11",
         "py-cpuinfo>=9.0",
         "safetensors>=0.4",
+        "numpy",  # safetensors.torch.save_file converts through numpy
         "tqdm>=4.66",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6"]},
     entry_points={
         "console_scripts": [
             "zrun=zero.launcher:main",

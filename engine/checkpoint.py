@@ -30,7 +30,6 @@ import logging
 import os
 import random
 import shutil
-import zlib
 from collections.abc import Mapping
 
 import torch
@@ -89,7 +88,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
     """Write a checkpoint; see Engine.save_checkpoint. Returns the checkpoint directory."""
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     _check_json(client_state, "client_state")
-    _validate_tag(engine, tag)
+    tag = _agree_on_tag(engine, tag)
     scheduler_state = _scheduler_state(engine)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
@@ -120,22 +119,34 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
     return final
 
 
-def _validate_tag(engine, tag: str) -> None:
-    """checkpoint.tag_validation: every rank must save under the same tag (Warn, Fail, Ignore)."""
+def _agree_on_tag(engine, tag: str) -> str:
+    """Every rank saves under rank 0's tag. A rank whose own tag differs is reported as
+    checkpoint.tag_validation says: Warn (log, go on), Fail (CheckpointError on every rank) or
+    Ignore. Raises CheckpointError for a tag that is not a plain directory name."""
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.endswith(".tmp"):
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not a plain directory name (no '/', not '.', '..' or "
+            "ending in '.tmp')"
+        )
+    if engine.comm.world_size == 1:
+        return tag
+    encoded = torch.zeros(256, dtype=torch.uint8)
+    raw = tag.encode()[:256]
+    encoded[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    engine.comm.broadcast(encoded, src=0)
+    chosen = bytes(encoded[encoded != 0].tolist()).decode()
+    differs = torch.tensor([float(chosen != tag)])
+    engine.comm.all_reduce(differs, op="max")
     mode = engine.config.checkpoint.tag_validation
-    if mode == "Ignore" or engine.comm.world_size == 1:
-        return
-    code = float(zlib.crc32(tag.encode()))
-    bounds = torch.tensor([code, -code], dtype=torch.float64)
-    engine.comm.all_reduce(bounds, op="max")
-    if bounds[0] != -bounds[1]:
+    if differs.item() and mode != "Ignore":
         message = (
-            f"rank {engine.comm.rank}: ranks save under different tags (this rank: {tag!r}); "
-            "pass the same tag on every rank (config key checkpoint.tag_validation)"
+            f"rank {engine.comm.rank}: ranks passed different checkpoint tags (this rank {tag!r}, "
+            f"rank 0 {chosen!r}); pass the same tag on every rank (checkpoint.tag_validation)"
         )
         if mode == "Fail":
             raise CheckpointError(message)
-        logger.warning(message)
+        logger.warning("%s; saving under %r", message, chosen)
+    return chosen
 
 
 def _check_json(value, what: str) -> None:

@@ -122,13 +122,16 @@ def chain(root, cases):
 
 
 def tag_mismatch(root):
-    """checkpoint.tag_validation Fail: ranks passing different tags all get an error."""
+    """Ranks passing different tags: Fail raises on every rank, Warn saves under rank 0's tag."""
     engine = make_engine(2, extra={"checkpoint": {"tag_validation": "Fail"}})
     try:
         engine.save_checkpoint(os.path.join(root, "tags"), tag=f"T{engine.rank}")
+        failed = None
     except CheckpointError as error:
-        return str(error)
-    return None
+        failed = str(error)
+    engine = make_engine(2)
+    saved = engine.save_checkpoint(os.path.join(root, "tags"), tag=f"T{engine.rank}")
+    return failed, os.path.basename(saved)
 
 
 def chain_link(root, index, cases, mpu):
@@ -177,7 +180,8 @@ CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")]
 def chained(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("chain"))
     results = run_ranks(chain, max(CHAIN), root, CASES, timeout=300)
-    assert all("different tags" in (tag_error or "") for _, tag_error in results)
+    for _, (failed, saved) in results:
+        assert "different checkpoint tags" in (failed or "") and saved == "T0"
     return root, results[0][0]
 
 
@@ -297,6 +301,9 @@ def test_errors_name_file_and_key(tmp_path):
     with pytest.raises(CheckpointError, match=r"client_state\['bad'\]"):
         engine.save_checkpoint(tmp_path, client_state={"ok": 1, "bad": torch.ones(1)})
     assert not os.path.exists(tmp_path / "latest")
+    for bad in ("../evil", "a/b", "..", "x.tmp", ""):
+        with pytest.raises(CheckpointError, match="plain directory name"):
+            engine.save_checkpoint(tmp_path, tag=bad)
     engine.save_checkpoint(tmp_path, tag="good")
     with pytest.raises(CheckpointError, match="latest"):
         engine.load_checkpoint(tmp_path / "nowhere")
