@@ -15,10 +15,18 @@ _EXPORTS = {
     "load_config": "config",
 }
 
-__all__ = sorted(_EXPORTS)
+# Submodules reachable as attributes: zero.checkpointing is engine/activation.py (DeepSpeed's
+# deepspeed.checkpointing); zero.mpu and zero.tensor_parallel are model parallelism (ZeRO-R).
+_MODULES = {"checkpointing": "activation", "mpu": "mpu", "tensor_parallel": "tensor_parallel"}
+
+__all__ = sorted([*_EXPORTS, *_MODULES])
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        value = importlib.import_module(f".{_MODULES[name]}", __name__)
+        globals()[name] = value
+        return value
     if name not in _EXPORTS:
         raise AttributeError(f"module 'zero' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

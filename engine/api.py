@@ -67,10 +67,12 @@ def initialize(
     if launch is not None and dist_init_required is not False:
         init_process_group(accelerator.backend, launch)
     comm = _data_parallel_comm(mpu)
-    _default_logging(comm.rank)
+    # With an mpu, comm.rank is the data-parallel rank: log as the global rank (one rank 0).
+    _default_logging(dist.get_rank() if mpu is not None and dist.is_initialized() else comm.rank)
     if mpu is not None:
         cfg = load_config(source, world_size=comm.world_size, auto_values=auto)
-    engine = Engine(model, cfg, comm, accelerator, optimizer, model_parameters, lr_scheduler)
+    _configure_checkpointing(cfg, mpu)
+    engine = Engine(model, cfg, comm, accelerator, optimizer, model_parameters, lr_scheduler, mpu)
     loader = None
     if training_data is not None:
         loader = _dataloader(training_data, cfg, comm, collate_fn)
@@ -123,6 +125,19 @@ def _data_parallel_comm(mpu) -> Communicator:
     if dist.is_available() and dist.is_initialized():
         return Communicator(None, dist.get_rank(), dist.get_world_size())
     return Communicator(None, 0, 1)
+
+
+# ----- ZeRO-R: activation checkpointing and model parallelism (engine/activation.py, mpu.py) --
+def _configure_checkpointing(cfg, mpu) -> None:
+    """Apply the config's activation_checkpointing block (zero.checkpointing.configure). A config
+    without the block leaves an earlier configure() call by the user in force."""
+    from . import activation
+
+    if "activation_checkpointing" in cfg.model_fields_set or not activation.is_configured():
+        activation.configure(mpu, deepspeed_config=cfg)
+
+
+# ----- end ZeRO-R ------------------------------------------------------------------------------
 
 
 def _auto_values(model, optimizer) -> dict:

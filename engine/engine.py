@@ -37,7 +37,8 @@ class Phase(enum.Enum):
 class Engine(torch.nn.Module):
     """A model trained with ZeRO stage 0, 1 or 2 over one data-parallel group.
 
-    Constructed by zero.initialize (every rank, collectively). `module` is the user's model, whose
+    Constructed by zero.initialize (every rank, collectively); `mpu` is a Megatron-style
+    model-parallel unit when the model is tensor-parallel. `module` is the user's model, whose
     trainable parameters now view zero's flat low-precision buffers.
     """
 
@@ -50,6 +51,7 @@ class Engine(torch.nn.Module):
         optimizer=None,
         model_parameters=None,
         lr_scheduler=None,
+        mpu=None,
     ):
         super().__init__()
         if config.zero.stage == 3:
@@ -76,7 +78,7 @@ class Engine(torch.nn.Module):
             named_groups,
             optimizer,
             FlatLayout(named_groups, config.zero.reduce_bucket_size, self._num_shards()),
-            self._reduce_settings(),
+            self._reduce_settings(mpu),
             comm,
             self.scaler,
             config.compute_dtype,
@@ -94,7 +96,19 @@ class Engine(torch.nn.Module):
     def _num_shards(self) -> int:
         return 1 if self.config.zero.stage == 0 else self.comm.world_size
 
-    def _reduce_settings(self) -> ReduceSettings:
+    def _model_parallel_norm(self, mpu):
+        """With tensor parallelism, the gradient norm counts each model-parallel slice and each
+        replicated parameter once (zero.mpu, [Note: gradient norm with model parallelism])."""
+        if mpu is None:
+            return None
+        from .mpu import ModelParallelNorm, model_parallel_comm, partitioned_parameter_names
+
+        mp_comm = model_parallel_comm(mpu)
+        if mp_comm.world_size == 1:
+            return None
+        return ModelParallelNorm(mp_comm, partitioned_parameter_names(self.module))
+
+    def _reduce_settings(self, mpu) -> ReduceSettings:
         comm_dtype = self.config.communication_data_type
         dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
         return ReduceSettings(
@@ -103,6 +117,7 @@ class Engine(torch.nn.Module):
             allgather_numel=self.config.zero.allgather_bucket_size,
             clip=self.config.gradient_clipping,
             overflow_check=self.config.fp16.enabled,
+            model_parallel=self._model_parallel_norm(mpu),
         )
 
     def _config_optimizer(self, model_parameters):

@@ -50,7 +50,8 @@ class ReduceSettings:
     [communication_data_type, default the compute dtype]. allgather_numel: the most parameter
     elements all-gathered at once [zero_optimization.allgather_bucket_size]. clip: global-norm
     threshold, 0 disables [gradient_clipping]. overflow_check: skip steps whose gradients are not
-    finite (fp16).
+    finite (fp16). model_parallel: a zero.mpu.ModelParallelNorm when the model is tensor-parallel,
+    so the norm counts every model-parallel slice once.
     """
 
     stage: int
@@ -58,6 +59,7 @@ class ReduceSettings:
     allgather_numel: int
     clip: float
     overflow_check: bool
+    model_parallel: object | None = None
 
 
 class Bucket:
@@ -348,13 +350,21 @@ class ZeroOptimizer:
         return not overflow
 
     def _global_norm(self, shards) -> float:
-        """L2 norm over all owned gradient elements of all ranks (one 1-element all-reduce)."""
+        """L2 norm over all owned gradient elements of all ranks (one 1-element all-reduce; with
+        model parallelism a second one over the model-parallel group, see zero.mpu)."""
         device = self.buckets[0].grad_shard.device if self.buckets else "cpu"
         squares = torch.zeros(1, dtype=torch.float32, device=device)
-        for shard in shards:
-            squares += torch.linalg.vector_norm(shard).square()
+        model_parallel = self.settings.model_parallel
+        shard_index = self.layout.shard_of(self.comm.rank)
+        for bucket, shard in zip(self.buckets, shards):
+            if model_parallel is None:
+                squares += torch.linalg.vector_norm(shard).square()
+            else:
+                squares += model_parallel.shard_squares(bucket.layout, shard, shard_index)
         if self.layout.num_shards > 1:
             self.comm.all_reduce(squares)
+        if model_parallel is not None:
+            model_parallel.finish(squares)
         return float(squares.sqrt())
 
     def _clip_coefficient(self, norm: float) -> float:

@@ -2,6 +2,8 @@
 
 Single process:   python examples/train.py --config configs/zero2.json
 Data parallel:    zrun --hostfile examples/hosts examples/train.py --config configs/zero2.json
+Tensor parallel:  zrun ... examples/train.py --config configs/zero2.json --mp 2   (4 ranks: 2 x 2)
+Checkpointing:    ... --config configs/zero2_activation_checkpointing.json
 
 The model is in gpt.py, the data in data.py; this file is only the loop. Batch size, gradient
 accumulation, optimizer, lr schedule, precision and ZeRO stage all come from the config.
@@ -12,6 +14,7 @@ import random
 import time
 
 import torch
+import torch.distributed as dist
 from data import ByteDataset, load_corpus
 from gpt import GPT, GPTConfig
 
@@ -30,13 +33,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--eval_batches", type=int, default=20, help="micro-batches for val loss")
+    parser.add_argument(
+        "--mp", type=int, default=1, help="model-parallel (tensor-parallel) size; divides ranks"
+    )
+    parser.add_argument(
+        "--activation_checkpointing",
+        action="store_true",
+        help="recompute each block in backward (also on when the config has the block)",
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="ignored (launchers pass it)")
     return parser.parse_args()
 
 
 def log(engine, *lines: str) -> None:
-    """Print on rank 0 only, flushed so the lines interleave correctly under a launcher."""
-    if engine.rank == 0:
+    """Print on rank 0 only, flushed so the lines interleave correctly under a launcher.
+    (engine.rank is the data-parallel rank; with --mp the global rank decides.)"""
+    if engine.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
         print(*lines, sep="\n", flush=True)
 
 
@@ -56,6 +68,12 @@ def main() -> None:
     args = parse_args()
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # same initial weights on every rank
+    mpu = None
+    if args.mp > 1:
+        # Tensor-parallel layers keep slices of the same full matrices on every rank, so this
+        # model starts from exactly the weights of the --mp 1 run.
+        mpu = zero.mpu.initialize_model_parallel(args.mp)
+        zero.checkpointing.model_parallel_manual_seed(args.seed, mpu)  # per-rank head dropout
 
     model_config = GPTConfig(
         block_size=args.block_size,
@@ -63,10 +81,13 @@ def main() -> None:
         n_head=args.n_head,
         n_embd=args.n_embd,
         dropout=args.dropout,
+        activation_checkpointing=args.activation_checkpointing,
     )
-    model = GPT(model_config)
+    model = GPT(model_config, mpu)
     num_params = model.num_parameters()  # before initialize: stage 3 may shard the parameters
-    engine, _, _, _ = zero.initialize(args=args, model=model, config=args.config)
+    engine, _, _, _ = zero.initialize(args=args, model=model, config=args.config, mpu=mpu)
+    if "activation_checkpointing" in engine.config.model_fields_set:
+        model_config.activation_checkpointing = True  # the config's block asks for it
 
     raw, corpus_name = load_corpus(args.data)
     data = ByteDataset(raw, args.block_size, seed=args.seed, rank=engine.rank)
@@ -77,6 +98,15 @@ def main() -> None:
     tokens_per_step = global_batch * args.block_size
     print_every = engine.config.steps_per_print
 
+    if args.mp > 1 or model_config.activation_checkpointing:
+        ckpt = engine.config.activation_checkpointing
+        log(
+            engine,
+            f"model parallel {args.mp} x data parallel {engine.world_size}; activation "
+            f"checkpointing {'on' if model_config.activation_checkpointing else 'off'}"
+            f" (partitioned {ckpt.partition_activations}, cpu {ckpt.cpu_checkpointing}, "
+            f"contiguous {ckpt.contiguous_memory_optimization})",
+        )
     log(
         engine,
         f"world size {engine.world_size}, device {engine.device}, "
