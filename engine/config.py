@@ -11,6 +11,7 @@ byte-sized key is ``aio.block_size``.
 
 Loading (``load_config``) runs these steps, in order:
   1. read the source (path to .json/.hjson/.yaml/.yml, a mapping, or an existing ``Config``);
+     a key given twice in one mapping is an error, and YAML reads 1e-3 as a float, like JSON;
   2. map deprecated DeepSpeed names to their current ones (each with a ``FutureWarning``);
   3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs);
   4. validate against the schema (one ``ConfigError`` naming the dotted key on failure);
@@ -24,6 +25,7 @@ are read-only mappings and lists are tuples.
 import functools
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -92,7 +94,7 @@ def _to_whole(value: Any, *, minimum: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"expected {what}")
     if isinstance(value, str):
-        # YAML 1.1 reads 5e8 (no dot) as a string; accept it like JSON does.
+        # A quoted "5e8" (our YAML loader reads an unquoted 5e8 as a float, like JSON).
         text = value.strip()
         try:
             value = int(text) if text.lstrip("+-").isdigit() else float(text)
@@ -184,8 +186,8 @@ class OptimizerConfig(_Block):
     """
 
     type: str = Field(
-        description="Optimizer name (DeepSpeed optimizer.type): Adam, AdamW, SGD, Lamb, ..., "
-        "else a torch.optim class name."
+        description="Optimizer name (DeepSpeed optimizer.type): Adam, AdamW, SGD, else an "
+        "element-wise torch.optim class name (Adagrad, RMSprop, Adamax, ...)."
     )
     params: FrozenDict = Field(
         default_factory=dict,
@@ -635,9 +637,12 @@ class Config(_Block):
         accum = self.data_types.grad_accum_dtype
         compute = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
         if accum not in (None, "fp32", compute):
+            allowed = (
+                "'fp32'" if compute == "fp32" else f"'fp32' or '{compute}' (the compute dtype)"
+            )
             raise _cross(
                 f"data_types.grad_accum_dtype '{accum}' does not fit {compute} training; "
-                f"use 'fp32' or '{compute}' (the compute dtype)."
+                f"use {allowed}."
             )
         return self
 
@@ -773,7 +778,9 @@ def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
     suffix = path.suffix.lower()
     if suffix in (".yaml", ".yml"):
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(
+                text, Loader=_YamlLoader
+            )  # a SafeLoader subclass: no arbitrary objects
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -781,7 +788,7 @@ def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
             raise ConfigError(f"{where}YAML parse error{line}: {problem}.") from None
     elif suffix in (".json", ".hjson"):
         try:
-            data = hjson.loads(text)
+            data = hjson.loads(text, object_pairs_hook=_mapping_from_pairs)
         except hjson.HjsonDecodeError as err:
             raise ConfigError(
                 f"{where}parse error at line {err.lineno}, column {err.colno}: {err.msg}."
@@ -792,7 +799,90 @@ def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
         raise ConfigError(
             f"{where}the top level must be a mapping of keys, got {type(data).__name__}."
         )
+    duplicate = _find_duplicate(data, "")
+    if duplicate is not None:
+        raise ConfigError(
+            f"{where}key '{duplicate}' is given more than once; keep one (the parser would "
+            "silently use the last value)."
+        )
     return where, _to_plain(data)
+
+
+# [Note: duplicate keys]
+# JSON, hjson and YAML parsers keep the last of two equal keys without a word, so a config
+# that sets train_micro_batch_size_per_gpu twice trains with whichever came last. The parsers
+# build each mapping bottom-up, before its parent exists, so they cannot know the dotted path;
+# instead a mapping with a repeated key is built as a _Duplicated dict remembering the key, and
+# _find_duplicate walks the finished tree to name it with its dotted path.
+
+
+class _Duplicated(dict):
+    """A parsed mapping in which ``key`` appeared more than once (last value kept)."""
+
+    def __init__(self, pairs: Any, key: Any) -> None:
+        super().__init__(pairs)
+        self.key = key
+
+
+def _mapping_from_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """hjson's object_pairs_hook: a dict, or a _Duplicated one when a key repeats."""
+    seen: set[Any] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return _Duplicated(pairs, key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _find_duplicate(node: Any, path: str) -> str | None:
+    """Dotted path of the first repeated key in a parsed tree, or None."""
+    if isinstance(node, _Duplicated):
+        return f"{path}.{node.key}" if path else str(node.key)
+    if isinstance(node, Mapping):
+        items: Any = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return None
+    for key, value in items:
+        found = _find_duplicate(value, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader with YAML 1.2 style floats and repeated keys detected.
+
+    YAML 1.1 (PyYAML) reads ``1e-3`` and ``5e8`` as strings because its float pattern needs a
+    dot and a signed exponent; JSON and YAML 1.2 read them as numbers. DeepSpeed configs are
+    written with JSON in mind, so every number in exponent notation here is a float: lr and
+    sizes alike.
+    """
+
+    def construct_yaml_map(self, node: yaml.MappingNode) -> Any:
+        # Explicit keys only: "<<" merge keys may legitimately be overridden.
+        seen: set[tuple[str, str]] = set()
+        repeated = None
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _YAML_MERGE_TAG:
+                if (key_node.tag, key_node.value) in seen and repeated is None:
+                    repeated = key_node.value
+                seen.add((key_node.tag, key_node.value))
+        data: dict[Any, Any] = {} if repeated is None else _Duplicated((), repeated)
+        yield data
+        data.update(self.construct_mapping(node))
+
+
+_YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
+_YamlLoader.add_constructor("tag:yaml.org,2002:map", _YamlLoader.construct_yaml_map)
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+|[-+]?\.[0-9][0-9_]*[eE][-+]?[0-9]+)$"
+    ),
+    list("-+.0123456789"),
+)
 
 
 def _to_plain(value: Any) -> Any:

@@ -21,7 +21,7 @@ from .accelerator import Accelerator
 from .comm import Communicator
 from .flat import FlatLayout
 from .lr_schedules import build_scheduler
-from .optim import build_optimizer
+from .optim import build_optimizer, resolve_optimizer
 from .precision import LossScaler
 from .stages import ReduceSettings, ZeroOptimizer
 
@@ -118,7 +118,15 @@ class Engine(torch.nn.Module):
             clip=self.config.gradient_clipping,
             overflow_check=self.config.fp16.enabled,
             model_parallel=self._model_parallel_norm(mpu),
+            offload=self._offload_optimizer is not None,
+            pin_memory=bool(self._offload_optimizer and self._offload_optimizer.pin_memory),
         )
+
+    @property
+    def _offload_optimizer(self):
+        """The offload_optimizer block when it offloads to the CPU, else None."""
+        block = self.config.zero.offload_optimizer
+        return block if block is not None and block.device == "cpu" else None
 
     def _config_optimizer(self, model_parameters):
         if self.config.optimizer is None:
@@ -129,7 +137,12 @@ class Engine(torch.nn.Module):
         params = model_parameters
         if params is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
-        return build_optimizer(self.config.optimizer.type, self.config.optimizer.params, params)
+        spec = self.config.optimizer
+        if self._offload_optimizer is not None:
+            cls, kwargs = resolve_optimizer(spec.type, spec.params)
+            if cls in (torch.optim.Adam, torch.optim.AdamW):
+                return _cpu_adam(params, cls, kwargs)
+        return build_optimizer(spec.type, spec.params, params)
 
     def _named_groups(self, optimizer, client_optimizer: bool):
         """Per optimizer param group, the (name, param) pairs zero lays out and trains."""
@@ -339,6 +352,22 @@ class Engine(torch.nn.Module):
 
     def model_state_bytes(self) -> dict[str, int]:
         return self.optimizer.model_state_bytes()
+
+
+def _cpu_adam(params, cls, kwargs):
+    """ZeRO-Offload: the config's Adam/AdamW as zero.ops.CPUAdam (C++ SIMD, same numerics)."""
+    from zero.ops import CPUAdam
+
+    supported = {"lr", "betas", "eps", "weight_decay"}
+    unsupported = {k: v for k, v in kwargs.items() if k not in supported and v not in (None, False)}
+    if unsupported:
+        key = next(iter(unsupported))
+        raise ValueError(
+            f"optimizer.params.{key}={unsupported[key]!r} is not supported with "
+            "zero_optimization.offload_optimizer (the CPU Adam); remove it"
+        )
+    options = {k: v for k, v in kwargs.items() if k in supported}
+    return CPUAdam(params, adamw_mode=cls is torch.optim.AdamW, **options)
 
 
 def _cast_floats(obj, dtype):

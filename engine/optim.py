@@ -38,9 +38,11 @@ _DEEPSPEED_ONLY_TYPES = (
 )
 
 # torch optimizers that cannot run under the engine, with the reason.
-_UNSUPPORTED_TORCH_TYPES = {
+UNSUPPORTED_OPTIMIZERS = {
     "LBFGS": "it needs a closure that re-evaluates the model; the engine's step() takes none",
     "SparseAdam": "it needs sparse gradients, and the engine reduces gradients into dense buckets",
+    "Adafactor": "it factorizes by parameter shape, and ZeRO steps on flat 1-D shards",
+    "Muon": "it orthogonalizes 2-D parameters, and ZeRO steps on flat 1-D shards",
 }
 
 # DeepSpeed's Adam/AdamW keys that have no torch constructor argument. Their handling is in
@@ -72,7 +74,7 @@ def supported_optimizer_types() -> list[str]:
     rest = sorted(
         name
         for name in _torch_optimizer_classes()
-        if name not in first and name not in _UNSUPPORTED_TORCH_TYPES
+        if name not in first and name not in UNSUPPORTED_OPTIMIZERS
     )
     return first + rest
 
@@ -120,7 +122,7 @@ def resolve_optimizer(type_name: str, params: Mapping[str, Any] | None) -> tuple
                 f"optimizer that zero does not implement; use one of: "
                 f"{', '.join(supported_optimizer_types())}"
             )
-    for name, reason in _UNSUPPORTED_TORCH_TYPES.items():
+    for name, reason in UNSUPPORTED_OPTIMIZERS.items():
         if lowered == name.lower():
             raise NotImplementedError(
                 f"optimizer type '{type_name}' (config key optimizer.type) is not supported: "

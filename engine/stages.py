@@ -29,11 +29,17 @@ import torch
 
 from .comm import Communicator, Handle
 from .flat import BucketLayout, FlatLayout
+from .optim import UNSUPPORTED_OPTIMIZERS
 from .precision import LossScaler
 
 # Stage-2 buckets allowed in flight before the oldest is waited for; bounds transient gradient
 # memory to a few buckets (the paper's constant-size buffers) while keeping overlap.
 MAX_BUCKETS_IN_FLIGHT = 2
+
+
+def _unstepped(state: dict) -> bool:
+    """True for per-parameter state an optimizer creates before its first step (step == 0)."""
+    return "step" in state and float(state["step"]) == 0
 
 
 class BucketState(enum.Enum):
@@ -51,7 +57,9 @@ class ReduceSettings:
     elements all-gathered at once [zero_optimization.allgather_bucket_size]. clip: global-norm
     threshold, 0 disables [gradient_clipping]. overflow_check: skip steps whose gradients are not
     finite (fp16). model_parallel: a zero.mpu.ModelParallelNorm when the model is tensor-parallel,
-    so the norm counts every model-parallel slice once.
+    so the norm counts every model-parallel slice once. offload, pin_memory: keep fp32 master
+    weights, their gradient and the optimizer state in (page-locked) host memory and step there
+    [zero_optimization.offload_optimizer.device "cpu", .pin_memory] (ZeRO-Offload).
     """
 
     stage: int
@@ -60,6 +68,8 @@ class ReduceSettings:
     clip: float
     overflow_check: bool
     model_parallel: object | None = None
+    offload: bool = False
+    pin_memory: bool = False
 
 
 class Bucket:
@@ -80,6 +90,7 @@ class Bucket:
         begin, end = layout.owned_range(shard)
         self.param_shard = param_buffer[begin:end]
         self.master = None
+        self.host_grad = None  # offload: host copy of grad_shard the host optimizer reads
         self.accum = None
         self.grad_shard = None
         self.staging = None
@@ -186,7 +197,10 @@ class ZeroOptimizer:
             full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
         bucket.param_buffer.copy_(full)
         begin, end = layout.owned_range(self.layout.shard_of(self.comm.rank))
-        if self.compute_dtype == torch.float32:
+        if self.settings.offload:
+            bucket.master = self._host_copy(full[begin:end])
+            bucket.host_grad = self._host_copy(torch.zeros(layout.shard_numel))
+        elif self.compute_dtype == torch.float32:
             bucket.master = bucket.param_shard
         else:
             bucket.master = full[begin:end].clone()
@@ -201,13 +215,21 @@ class ZeroOptimizer:
             bucket.grad_shard = bucket.accum[begin:end]
         else:
             bucket.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-        bucket.master.grad = bucket.grad_shard
+        bucket.master.grad = bucket.host_grad if self.settings.offload else bucket.grad_shard
         for slot, param in zip(layout.slots, bucket.params):
             # The parameter becomes a view of zero's buffer: forward reads what all-gather wrote.
             param.data = bucket.param_buffer[slot.offset : slot.offset + slot.numel].view(
                 slot.shape
             )
             param.grad = None
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An fp32 host copy of `tensor`, page-locked when pin_memory is set and CUDA exists (so
+        device copies can be asynchronous)."""
+        host = tensor.detach().to("cpu", torch.float32, copy=True)
+        if self.settings.pin_memory and torch.cuda.is_available():
+            host = host.pin_memory()
+        return host
 
     def _register_hooks(self) -> list:
         handles = []
@@ -225,14 +247,27 @@ class ZeroOptimizer:
         return hook
 
     def _bind_optimizer(self) -> None:
-        """Point the optimizer's param groups at this rank's master shards (state must be empty)."""
-        if len(self.optimizer.state) > 0:
+        """Point the optimizer's param groups at this rank's master shards, keeping every
+        hyper-parameter. State that the optimizer created at construction (Adagrad's sum) is
+        created again for the shards; state from earlier steps is an error."""
+        name = type(self.optimizer).__name__
+        if name in UNSUPPORTED_OPTIMIZERS:
+            raise NotImplementedError(
+                f"optimizer {name} cannot run under ZeRO: {UNSUPPORTED_OPTIMIZERS[name]}; use an "
+                "element-wise optimizer (Adam, AdamW, SGD, Adagrad, ...)"
+            )
+        if not all(_unstepped(state) for state in self.optimizer.state.values()):
             raise ValueError(
                 "the optimizer passed to zero.initialize already has state (it has stepped); "
                 "pass a freshly constructed optimizer"
             )
+        had_state = len(self.optimizer.state) > 0
         for group_index, group in enumerate(self.optimizer.param_groups):
             group["params"] = [b.master for b in self.buckets if b.layout.group == group_index]
+        if had_state:
+            groups = [dict(g) for g in self.optimizer.param_groups]
+            template = type(self.optimizer)(groups, **self.optimizer.defaults)
+            self.optimizer.state = template.state
 
     # ----- backward -----------------------------------------------------------------------
     def start_backward(self, reduce: bool) -> None:
@@ -343,11 +378,36 @@ class ZeroOptimizer:
             factor = unscale * self._clip_coefficient(norm)
             for shard in shards:
                 shard.mul_(factor)
-            self.optimizer.step()
-            self.refresh_params()
+            self._optimizer_step()
         self.scaler.update(bool(overflow), self.comm.rank)
         self.zero_grad()
         return not overflow
+
+    def _optimizer_step(self) -> None:
+        """Step on the master shards (on the host with offload) and refresh the parameters."""
+        if not self.settings.offload:
+            self.optimizer.step()
+            self.refresh_params()
+            return
+        for bucket in self.buckets:
+            bucket.host_grad.copy_(bucket.grad_shard, non_blocking=bucket.host_grad.is_pinned())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the host optimizer reads host_grad next
+        fused = self._fused_copy_targets()
+        if fused:
+            # cpu_adam writes the low-precision parameters in the same pass over memory.
+            self.optimizer.step_with_copy(fused)
+        else:
+            self.optimizer.step()
+        self.refresh_params(skip_copy=set(map(id, fused)))
+
+    def _fused_copy_targets(self) -> dict:
+        """master -> low-precision host parameter shard, when cpu_adam can write it directly."""
+        if not hasattr(self.optimizer, "step_with_copy") or self.compute_dtype == torch.float32:
+            return {}
+        if any(b.param_shard.device.type != "cpu" for b in self.buckets):
+            return {}
+        return {b.master: b.param_shard for b in self.buckets}
 
     def _global_norm(self, shards) -> float:
         """L2 norm over all owned gradient elements of all ranks (one 1-element all-reduce; with
@@ -373,14 +433,15 @@ class ZeroOptimizer:
             return min(1.0, self.settings.clip / (norm + 1e-6))
         return 1.0
 
-    def refresh_params(self) -> None:
-        """Write the owned master slices into the parameter buffers and all-gather every bucket,
-        with at most allgather_numel elements in flight. Collective."""
+    def refresh_params(self, skip_copy=frozenset()) -> None:
+        """Write the owned master slices into the parameter buffers (except masters whose id is in
+        skip_copy, already written) and all-gather every bucket, with at most allgather_numel
+        elements in flight. Collective."""
         pending: deque[tuple[Handle, int]] = deque()
         in_flight = 0
         for bucket in self.buckets:
-            if bucket.master is not bucket.param_shard:
-                bucket.param_shard.copy_(bucket.master)
+            if bucket.master is not bucket.param_shard and id(bucket.master) not in skip_copy:
+                bucket.param_shard.copy_(bucket.master, non_blocking=bucket.master.is_pinned())
             if self.layout.num_shards == 1:
                 continue
             numel = bucket.layout.padded_numel

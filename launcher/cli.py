@@ -3,7 +3,13 @@
 import argparse
 import os
 
-from .hostfile import DEFAULT_HOSTFILE, ResourcePool, parse_hostfile, select_resources
+from .hostfile import (
+    DEFAULT_HOSTFILE,
+    MAX_SLOTS_PER_HOST,
+    ResourcePool,
+    parse_hostfile,
+    select_resources,
+)
 from .nodelist import expand_nodelist
 from .remote import LAUNCHERS
 
@@ -88,8 +94,12 @@ def resource_pool(args: argparse.Namespace) -> ResourcePool:
 
     Raises:
         FileNotFoundError: --hostfile names a file that does not exist.
-        ValueError: a malformed hostfile or an invalid selection (see select_resources).
+        ValueError: --hostfile names a directory, a malformed hostfile, --num_gpus above
+            MAX_SLOTS_PER_HOST, or an invalid selection (see select_resources).
     """
+    if args.num_gpus is not None and args.num_gpus > MAX_SLOTS_PER_HOST:
+        # Checked before any slot list is built: list(range(huge)) overflows or exhausts memory.
+        raise ValueError(f"--num_gpus must be <= {MAX_SLOTS_PER_HOST}, got {args.num_gpus}")
     hostfile = args.hostfile
     if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
         hostfile = DEFAULT_HOSTFILE

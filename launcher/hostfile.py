@@ -15,6 +15,10 @@ DEFAULT_HOSTFILE = "/job/hostfile"
 
 _SLOTS_RE = re.compile(r"^slots=(\S+)$")
 
+# No machine has more accelerators than this; a larger count is a typo, and building its slot
+# list would exhaust memory (or overflow) instead of giving a readable error.
+MAX_SLOTS_PER_HOST = 4096
+
 ResourcePool = dict[str, list[int]]
 
 
@@ -23,10 +27,12 @@ def parse_hostfile(path: str) -> dict[str, int]:
 
     Raises:
         FileNotFoundError: the file does not exist (the message names it).
-        ValueError: a line is malformed (missing or invalid ``slots=``, slots <= 0, extra fields,
-            a host listed twice) or the file names no host; the message quotes the file, the line
-            number and the line.
+        ValueError: ``path`` is a directory, a line is malformed (missing or invalid ``slots=``,
+            slots <= 0 or > MAX_SLOTS_PER_HOST, extra fields, a host listed twice) or the file
+            names no host; the message quotes the file, the line number and the line.
     """
+    if os.path.isdir(path):
+        raise ValueError(f"hostfile '{path}' is a directory; give the path of a hostfile")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"hostfile '{path}' does not exist")
     with open(path, encoding="utf-8") as f:
@@ -66,6 +72,9 @@ def _parse_line(content: str, path: str, line_number: int, line: str) -> tuple[s
         ) from None
     if num_slots <= 0:
         raise _line_error(path, line_number, line, f"slots must be > 0, got {num_slots}")
+    if num_slots > MAX_SLOTS_PER_HOST:
+        reason = f"slots must be <= {MAX_SLOTS_PER_HOST} (slots per host), got {num_slots}"
+        raise _line_error(path, line_number, line, reason)
     return host, num_slots
 
 

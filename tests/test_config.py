@@ -59,6 +59,69 @@ def test_yaml_file(tmp_path):
     assert config.zero.reduce_bucket_size == 500_000_000
 
 
+@pytest.mark.parametrize(
+    "name, text, key",
+    [
+        (
+            "dup.json",
+            '{"train_micro_batch_size_per_gpu": 4, "train_micro_batch_size_per_gpu": 8}',
+            "'train_micro_batch_size_per_gpu'",
+        ),
+        (
+            "dup.hjson",
+            "{train_micro_batch_size_per_gpu: 4, zero_optimization: {stage: 1, stage: 2}}",
+            "'zero_optimization.stage'",
+        ),
+        (
+            "dup.json",
+            '{"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", '
+            '"params": {"lr": 0.1, "lr": 0.2}}}',
+            "'optimizer.params.lr'",
+        ),
+        (
+            "dup.yaml",
+            "train_micro_batch_size_per_gpu: 4\nzero_optimization:\n  stage: 1\n  stage: 2\n",
+            "'zero_optimization.stage'",
+        ),
+        ("dup.yml", "train_batch_size: 8\ntrain_batch_size: 16\n", "'train_batch_size'"),
+    ],
+)
+def test_duplicate_keys_are_errors_naming_key_and_file(tmp_path, name, text, key):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert name in message
+    assert f"key {key} is given more than once" in message
+
+
+def test_yaml_merge_key_may_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "train_micro_batch_size_per_gpu: 4\nzero_optimization:\n  stage: 3\n"
+        "  offload_optimizer: &off {device: cpu, pin_memory: false}\n"
+        "  offload_param:\n    <<: *off\n    pin_memory: true\n"
+    )
+    zero = load_config(path).zero
+    assert (zero.offload_param.device, zero.offload_param.pin_memory) == ("cpu", True)
+
+
+def test_yaml_exponent_without_dot_is_a_float(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "train_micro_batch_size_per_gpu: 4\n"
+        "optimizer:\n  type: AdamW\n  params: {lr: 1e-3, eps: 1.0e-8, weight_decay: -2E+4}\n"
+        "zero_optimization: {stage: 2, reduce_bucket_size: 5e8, allgather_bucket_size: '5e8'}\n"
+    )
+    config = load_config(path)
+    params = dict(config.optimizer.params)
+    assert params == {"lr": 1e-3, "eps": 1e-8, "weight_decay": -2e4}
+    assert all(type(v) is float for v in params.values())
+    assert config.zero.reduce_bucket_size == 500_000_000
+    assert config.zero.allgather_bucket_size == 500_000_000
+
+
 def test_dict_is_not_mutated():
     source = {**MICRO, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
     before = json.dumps(source, sort_keys=True)
@@ -333,6 +396,14 @@ def test_cross_field_rules(extra, keys):
     message = error_of(extra)
     for key in keys:
         assert key in message
+
+
+def test_grad_accum_dtype_message_lists_each_allowed_value_once():
+    message = error_of({"data_types": {"grad_accum_dtype": "bf16"}})
+    assert "use 'fp32'." in message
+    assert "'fp32' or 'fp32'" not in message
+    message = error_of({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}})
+    assert "use 'fp32' or 'fp16' (the compute dtype)" in message
 
 
 def test_valid_combinations():

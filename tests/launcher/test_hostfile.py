@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from zero.launcher import agent
+from zero.launcher import agent, main
 from zero.launcher.hostfile import parse_host_filter, parse_hostfile, select_resources
 from zero.launcher.runner import JobSpec, agent_command
 from zero.launcher.world import build_layout, is_local_host
@@ -42,6 +42,8 @@ def test_parse_good_hostfile_keeps_order_and_skips_comments(tmp_path):
         ("worker-1 lots=2", "did you mean 'slots=2' instead of 'lots=2'?"),
         ("worker-1 slot=2", "did you mean 'slots=2'"),
         ("-oProxyCommand=x slots=2", "starts with '-'"),
+        ("worker-1 slots=4097", "slots must be <= 4096 (slots per host), got 4097"),
+        ("worker-1 slots=99999999999999999999", "slots must be <= 4096"),
     ],
 )
 def test_bad_line_names_file_line_number_and_line(tmp_path, bad_line, reason):
@@ -59,6 +61,30 @@ def test_missing_hostfile_names_the_file(tmp_path):
     path = str(tmp_path / "no-such-hosts")
     with pytest.raises(FileNotFoundError, match="no-such-hosts"):
         parse_hostfile(path)
+
+
+def test_hostfile_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):
+        parse_hostfile(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "text, argv, message",
+    [
+        ("localhost slots=99999999999999999999\n", [], "line 1: slots must be <= 4096"),
+        ("localhost slots=2\n", ["--num_gpus", "99999999999999999999"], "--num_gpus must be <="),
+        (None, [], "is a directory"),
+    ],
+)
+def test_zrun_reports_absurd_slots_and_directories_in_one_line(
+    tmp_path, capsys, text, argv, message
+):
+    hostfile = write_hostfile(tmp_path, text) if text is not None else str(tmp_path)
+    assert main(["--hostfile", hostfile, *argv, "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zrun: error: ")
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_hostfile_without_hosts_is_an_error(tmp_path):
