@@ -81,8 +81,8 @@ def make_engine(
         "scheduler": SCHED,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
     }
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    if dtype in ("bf16", "fp16"):
+        cfg[dtype] = {"enabled": True}
     cfg.update(extra or {})
     kwargs = {"betas": (0.9, 0.99)} if opt_cls is torch.optim.AdamW else {}
     opt = opt_cls(param_groups(model), lr=1e-2, **kwargs)
@@ -338,3 +338,20 @@ def test_errors_name_file_and_key(tmp_path):
         fresh.load_checkpoint(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters()))
     assert fresh.global_steps == 0
+
+
+def test_loss_scaler_and_counters_continue(tmp_path):
+    engine = make_engine(2, dtype="fp16")
+    x, y = global_batches(1)[0]
+    for _ in range(2):  # two overflows: hysteresis 2 halves the scale once
+        engine.backward(engine(x, y) * float("inf"))
+        engine.step()
+    train(engine, global_batches(1))
+    state = engine.scaler.state_dict()
+    assert engine.skipped_steps == 2 and state["scale"] == 2.0**15
+    engine.save_checkpoint(tmp_path)
+    resumed = make_engine(2, dtype="fp16")
+    resumed.load_checkpoint(tmp_path)
+    assert resumed.scaler.state_dict() == state
+    assert (resumed.global_steps, resumed.skipped_steps) == (3, 2)
+    assert resumed.get_lr() == engine.get_lr()
