@@ -97,18 +97,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     engine.comm.barrier()
-    failed = torch.zeros(1)
-    try:
-        _write_rank_file(engine, tmp)
-        if engine.comm.rank == 0:
-            _write_module_file(engine, tmp)
-    except Exception:
-        failed += 1
-        engine.comm.all_reduce(failed, op="max")
-        raise
-    engine.comm.all_reduce(failed, op="max")
-    if failed.item():
-        raise CheckpointError(f"rank {engine.comm.rank}: another rank failed to write {tmp}")
+    _on_every_rank(engine, f"write {tmp}", lambda: _write_files(engine, tmp))
     if engine.comm.rank == 0:
         meta = _meta(engine, tag, dict(client_state), scheduler_state, tmp)
         _write_json(os.path.join(tmp, META), meta)
@@ -117,6 +106,30 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
             _write_text_atomic(os.path.join(save_dir, LATEST), tag)
     engine.comm.barrier()
     return final
+
+
+def _on_every_rank(engine, what: str, action):
+    """Run action() on every rank; when it fails on any rank, every rank raises, so no rank
+    goes on to a collective the failed one will never join. Collective."""
+    failed = torch.zeros(1)
+    try:
+        result = action()
+    except Exception:
+        failed += 1
+        engine.comm.all_reduce(failed, op="max")
+        raise
+    engine.comm.all_reduce(failed, op="max")
+    if failed.item():
+        raise CheckpointError(
+            f"rank {engine.comm.rank}: another rank failed to {what}; see its error"
+        )
+    return result
+
+
+def _write_files(engine, directory: str) -> None:
+    _write_rank_file(engine, directory)
+    if engine.comm.rank == 0:
+        _write_module_file(engine, directory)
 
 
 def _agree_on_tag(engine, tag: str) -> str:
@@ -478,21 +491,11 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
     """Read a checkpoint into the engine; see Engine.load_checkpoint. Everything is verified on
     every rank (and the ranks agree on it) before any engine state changes."""
     load_optimizer = load_optimizer and not module_only
-    failed = torch.zeros(1)
-    try:
-        path, meta, reader, owned, kinds, module_values = _verify(
-            engine, load_dir, tag, strict, load_optimizer
-        )
-    except Exception:
-        failed += 1
-        engine.comm.all_reduce(failed, op="max")
-        raise
-    engine.comm.all_reduce(failed, op="max")
-    if failed.item():
-        raise CheckpointError(
-            f"rank {engine.comm.rank}: another rank could not verify the checkpoint in {load_dir}; "
-            "see its error"
-        )
+    path, meta, reader, owned, kinds, module_values = _on_every_rank(
+        engine,
+        f"verify the checkpoint in {load_dir}",
+        lambda: _verify(engine, load_dir, tag, strict, load_optimizer),
+    )
     rng = _read_rng(path, meta, engine.comm.rank)
     # Verified: from here on state changes. Values are read straight into their destinations.
     with torch.no_grad():
