@@ -127,7 +127,6 @@ def _data_parallel_comm(mpu) -> Communicator:
     return Communicator(None, 0, 1)
 
 
-# ----- ZeRO-R: activation checkpointing and model parallelism (engine/activation.py, mpu.py) --
 def _configure_checkpointing(cfg, mpu) -> None:
     """Apply the config's activation_checkpointing block (zero.checkpointing.configure). A config
     without the block leaves an earlier configure() call by the user in force."""
@@ -135,9 +134,6 @@ def _configure_checkpointing(cfg, mpu) -> None:
 
     if "activation_checkpointing" in cfg.model_fields_set or not activation.is_configured():
         activation.configure(mpu, deepspeed_config=cfg)
-
-
-# ----- end ZeRO-R ------------------------------------------------------------------------------
 
 
 def _auto_values(model, optimizer) -> dict:
