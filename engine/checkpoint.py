@@ -214,7 +214,7 @@ def _write_rank_file(engine, directory: str) -> None:
 
 
 def _write_module_file(engine, directory: str) -> None:
-    laid_out = {id(p) for b in engine.optimizer.buckets for p in b.params}
+    laid_out = _laid_out_ids(engine)
     tensors, seen = {}, set()
     for name, tensor in _module_tensors(engine.module):
         if id(tensor) in laid_out or id(tensor) in seen:
@@ -515,7 +515,8 @@ def _verify(engine, load_dir, tag, strict, load_optimizer):
     """Resolve, read metadata, and check every file, key and range this rank will read."""
     path = resolve(load_dir, tag)
     meta = read_meta(path)
-    module_values, module_problems = _read_module_file(path, engine.module, strict)
+    laid_out = _laid_out_ids(engine)
+    module_values, module_problems = _read_module_file(path, engine.module, laid_out, strict)
     problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)] + module_problems
     if problems:
         raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
@@ -540,11 +541,15 @@ def _verify(engine, load_dir, tag, strict, load_optimizer):
     return path, meta, reader, owned, kinds, module_values
 
 
-def _read_module_file(path: str, module, strict: bool):
+def _laid_out_ids(engine) -> set[int]:
+    """ids of the parameters ZeRO partitions (their values live in the rank files)."""
+    return {id(p) for b in engine.optimizer.buckets for p in b.params}
+
+
+def _read_module_file(path: str, module, laid_out: set[int], strict: bool):
     """([(tensor, saved value)], problems) for every tensor ZeRO does not lay out (frozen and
     empty parameters, buffers), checked against module.safetensors."""
     handle = _open(path, MODULE_FILE)
-    laid_out = {id(p) for p in module.parameters() if p.requires_grad and p.numel() > 0}
     targets, seen = {}, set()
     for name, tensor in _module_tensors(module):
         if id(tensor) not in laid_out and id(tensor) not in seen:

@@ -23,6 +23,7 @@ from .flat import FlatLayout
 from .lr_schedules import build_scheduler
 from .optim import build_optimizer, resolve_optimizer
 from .precision import LossScaler
+from .stage3 import ParamGatherer, UsageGuard, choose_units
 from .stages import ReduceSettings, ZeroOptimizer
 
 logger = logging.getLogger("zero")
@@ -54,9 +55,20 @@ class Engine(torch.nn.Module):
         mpu=None,
     ):
         super().__init__()
-        if config.zero.stage == 3:
+        offload_param = config.zero.offload_param
+        if offload_param is not None and offload_param.device != "none":
             raise NotImplementedError(
-                "zero_optimization.stage 3 is not available in this version; use stage 0, 1 or 2"
+                "zero_optimization.offload_param is not implemented yet; remove it or set its "
+                'device to "none"'
+            )
+        if (
+            config.zero.stage == 3
+            and config.zero.offload_optimizer is not None
+            and (config.zero.offload_optimizer.device != "none")
+        ):
+            raise NotImplementedError(
+                "zero_optimization.offload_optimizer with stage 3 is not implemented yet; use "
+                "stage 1 or 2 with offload, or stage 3 without"
             )
         if config.grad_accum_dtype != torch.float32:
             raise NotImplementedError(
@@ -74,15 +86,21 @@ class Engine(torch.nn.Module):
         self.module.to(device=accelerator.device)  # keeps Parameter objects: groups stay valid
         self._broadcast_module()
         self.scaler = LossScaler.from_config(config)
+        units, unit_of = self._fetch_units()
         self.optimizer = ZeroOptimizer(
             named_groups,
             optimizer,
-            FlatLayout(named_groups, config.zero.reduce_bucket_size, self._num_shards()),
+            FlatLayout(named_groups, config.zero.reduce_bucket_size, self._num_shards(), unit_of),
             self._reduce_settings(mpu),
             comm,
             self.scaler,
             config.compute_dtype,
         )
+        self.gatherer = None
+        if config.zero.stage == 3:
+            self.gatherer = ParamGatherer(units, comm, config.compute_dtype)
+            self.gatherer.attach(self.optimizer.buckets)
+            self.optimizer.gatherer = self.gatherer
         self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
         self.phase = Phase.IDLE
         self.micro_steps = 0
@@ -93,6 +111,14 @@ class Engine(torch.nn.Module):
         self._cast_rest(config.compute_dtype)
 
     # ----- construction -------------------------------------------------------------------
+    def _fetch_units(self):
+        """Stage 3: the fetch units (engine/stage3.py) and id(param) -> unit; else none."""
+        zero_cfg = self.config.zero
+        if zero_cfg.stage != 3:
+            return [], None
+        threshold = zero_cfg.stage3_module_granularity_threshold or zero_cfg.reduce_bucket_size
+        return choose_units(self.module, threshold, zero_cfg.stage3_module_classes or ())
+
     def _num_shards(self) -> int:
         return 1 if self.config.zero.stage == 0 else self.comm.world_size
 
@@ -208,9 +234,16 @@ class Engine(torch.nn.Module):
         """Run the model. With fp16.auto_cast, floating-point tensor arguments are cast to fp16."""
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        if self.phase is Phase.IDLE and torch.is_grad_enabled() and self.module.training:
+        training = torch.is_grad_enabled() and self.module.training
+        if self.phase is Phase.IDLE and training:
             self.phase = Phase.FORWARD
-        return self.module(*args, **kwargs)
+        if self.gatherer is None:
+            return self.module(*args, **kwargs)
+        with UsageGuard(self.gatherer):
+            output = self.module(*args, **kwargs)
+        if not training:
+            self.gatherer.release_all()  # no backward follows: release pinned units now
+        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate loss * loss_scale / gradient_accumulation_steps and reduce gradients.

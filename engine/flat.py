@@ -43,6 +43,7 @@ class BucketLayout:
     numel: int
     padded_numel: int
     num_shards: int
+    unit: int = 0
     slots: list[Slot] = field(default_factory=list)
 
     @property
@@ -62,14 +63,16 @@ class FlatLayout:
             zero-element parameters must already be filtered out; each parameter appears once.
         bucket_numel: the most elements a bucket holds (DeepSpeed key reduce_bucket_size).
         num_shards: how many ranks split each bucket (the data-parallel world size, or 1).
+        unit_of: stage 3: id(param) -> fetch unit; a bucket never spans two units.
 
     Raises ValueError for a non-positive bucket size or shard count.
     """
 
-    def __init__(self, named_groups, bucket_numel: int, num_shards: int):
+    def __init__(self, named_groups, bucket_numel: int, num_shards: int, unit_of=None):
         if bucket_numel <= 0 or num_shards <= 0:
             raise ValueError(f"bucket_numel={bucket_numel} and num_shards={num_shards} must be > 0")
         self.num_shards = num_shards
+        self._unit_of = unit_of or {}
         self.buckets: list[BucketLayout] = []
         self.group_numel: list[int] = []
         self._slot_of: dict[int, Slot] = {}
@@ -81,7 +84,9 @@ class FlatLayout:
         pending: list[tuple[str, torch.Tensor]] = []
         pending_numel = 0
         for name, param in named:
-            if pending and pending_numel + param.numel() > bucket_numel:
+            unit = self._unit_of.get(id(param), 0)
+            new_unit = pending and unit != self._unit_of.get(id(pending[0][1]), 0)
+            if pending and (new_unit or pending_numel + param.numel() > bucket_numel):
                 start = self._close_bucket(group, start, pending)
                 pending, pending_numel = [], 0
             pending.append((name, param))
@@ -94,7 +99,8 @@ class FlatLayout:
         index = len(self.buckets)
         numel = sum(p.numel() for _, p in named)
         padded = -(-numel // self.num_shards) * self.num_shards
-        bucket = BucketLayout(index, group, start, numel, padded, self.num_shards)
+        unit = self._unit_of.get(id(named[0][1]), 0)
+        bucket = BucketLayout(index, group, start, numel, padded, self.num_shards, unit)
         offset = 0
         for name, param in named:
             slot = Slot(name, tuple(param.shape), index, offset, param.numel())

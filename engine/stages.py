@@ -88,6 +88,8 @@ class Bucket:
         self.params = params
         self.param_buffer = param_buffer
         begin, end = layout.owned_range(shard)
+        # Stages 0-2: a view of the persistent parameter buffer. Stage 3: its own storage; the
+        # full buffer exists only while the bucket's unit is gathered (engine/stage3.py).
         self.param_shard = param_buffer[begin:end]
         self.master = None
         self.host_grad = None  # offload: host copy of grad_shard the host optimizer reads
@@ -109,7 +111,7 @@ class Bucket:
             return self.accum
         if self.staging is None:
             self.staging = torch.empty(
-                self.layout.padded_numel, dtype=dtype, device=self.param_buffer.device
+                self.layout.padded_numel, dtype=dtype, device=self.param_shard.device
             )
         return self.staging
 
@@ -157,6 +159,7 @@ class ZeroOptimizer:
         self.optimizer = optimizer
         self.compute_dtype = compute_dtype
         self.global_grad_norm = None
+        self.gatherer = None  # stage 3: the ParamGatherer, set by attach_gatherer()
         self._accepting_grads = False
         self._reduce_this_micro_batch = False
         self._first_reduce = True
@@ -197,6 +200,9 @@ class ZeroOptimizer:
             full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
         bucket.param_buffer.copy_(full)
         begin, end = layout.owned_range(self.layout.shard_of(self.comm.rank))
+        if self.settings.stage == 3:
+            # Only the owned slice persists; the parameters are released by the gatherer.
+            bucket.param_shard = full[begin:end].to(self.compute_dtype, copy=True)
         if self.settings.offload:
             bucket.master = self._host_copy(full[begin:end])
             bucket.host_grad = self._host_copy(torch.zeros(layout.shard_numel))
@@ -216,6 +222,9 @@ class ZeroOptimizer:
         else:
             bucket.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         bucket.master.grad = bucket.host_grad if self.settings.offload else bucket.grad_shard
+        if self.settings.stage == 3:
+            bucket.param_buffer = None
+            return
         for slot, param in zip(layout.slots, bucket.params):
             # The parameter becomes a view of zero's buffer: forward reads what all-gather wrote.
             param.data = bucket.param_buffer[slot.offset : slot.offset + slot.numel].view(
@@ -274,7 +283,7 @@ class ZeroOptimizer:
         """Begin a micro-batch's backward; `reduce` is true when its gradients are reduced now
         (every micro-batch in stage 2, the last one before the optimizer step in stages 0/1)."""
         self._accepting_grads = True
-        self._reduce_this_micro_batch = reduce or self.settings.stage == 2
+        self._reduce_this_micro_batch = reduce or self.settings.stage >= 2
         self._next_launch = 0
         for bucket in self.buckets:
             bucket.reset_arrivals()
@@ -303,6 +312,8 @@ class ZeroOptimizer:
         if not bucket.arrived[index]:
             bucket.arrived[index] = True
             bucket.num_arrived += 1
+        if bucket.ready and self.gatherer is not None:
+            self.gatherer.release_bucket_after_backward(bucket)
         if self._reduce_this_micro_batch and bucket.ready:
             self._launch_ready()
 
@@ -333,7 +344,7 @@ class ZeroOptimizer:
                 bucket.recv = output
             bucket.handle = self.comm.reduce_scatter(output, source, async_op=True)
         self._in_flight.append(bucket)
-        while self.settings.stage == 2 and len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+        while self.settings.stage >= 2 and len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish(self._in_flight.popleft())
 
     def _finish(self, bucket: Bucket) -> None:
@@ -359,6 +370,8 @@ class ZeroOptimizer:
         while self._in_flight:
             self._finish(self._in_flight.popleft())
         self._first_reduce = False
+        if self.gatherer is not None:
+            self.gatherer.release_all()
 
     # ----- step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -442,8 +455,8 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             if bucket.master is not bucket.param_shard and id(bucket.master) not in skip_copy:
                 bucket.param_shard.copy_(bucket.master, non_blocking=bucket.master.is_pinned())
-            if self.layout.num_shards == 1:
-                continue
+            if self.layout.num_shards == 1 or self.settings.stage == 3:
+                continue  # stage 3 gathers parameters when a unit runs
             numel = bucket.layout.padded_numel
             while pending and in_flight + numel > self.settings.allgather_numel:
                 handle, size = pending.popleft()
@@ -471,7 +484,11 @@ class ZeroOptimizer:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes per rank held for model states, by kind (parameters, gradients, master weights,
         optimizer state), measured from the tensors themselves."""
-        param = sum(b.param_buffer.numel() * b.param_buffer.element_size() for b in self.buckets)
+        param = sum(
+            (b.param_shard if self.settings.stage == 3 else b.param_buffer).numel()
+            * b.param_shard.element_size()
+            for b in self.buckets
+        )
         grad = sum((b.grad_shard if b.accum is None else b.accum).numel() * 4 for b in self.buckets)
         master = sum(b.master.numel() * 4 for b in self.buckets if b.master is not b.param_shard)
         state = 0

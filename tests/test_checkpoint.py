@@ -173,7 +173,7 @@ def reference_run(steps):
     return model, opt
 
 
-CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")]
+CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")]
 
 
 @pytest.fixture(scope="module")

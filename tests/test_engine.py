@@ -131,9 +131,10 @@ def test_training_data_gives_distributed_loader():
     assert loader.batch_size == 2 and len(loader) == 5
 
 
-def test_stage3_and_missing_config_errors():
-    with pytest.raises(NotImplementedError, match="stage 3"):
-        zero.initialize(model=Tiny(), config=base_config(zero_optimization={"stage": 3}))
+def test_unimplemented_offload_and_missing_config_errors():
+    offload = {"stage": 3, "offload_param": {"device": "cpu"}}
+    with pytest.raises(NotImplementedError, match="offload_param"):
+        zero.initialize(model=Tiny(), config=base_config(zero_optimization=offload))
     with pytest.raises(ValueError, match="no config"):
         zero.initialize(model=Tiny())
     with pytest.raises(ValueError, match="no optimizer"):

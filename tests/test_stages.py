@@ -52,8 +52,9 @@ def param_groups(model):
     ]
 
 
-def batches(world_size, gas, steps=STEPS, seed=0):
-    """batches[step][micro][rank] = (x, y, use_extra)."""
+def batches(world_size, gas, steps=STEPS, seed=0, same_modules=False):
+    """batches[step][micro][rank] = (x, y, use_extra). With same_modules every rank runs the
+    same modules in a micro-batch (required by stage 3, see docs/stages.md)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for step in range(steps):
@@ -63,7 +64,7 @@ def batches(world_size, gas, steps=STEPS, seed=0):
             for r in range(world_size):
                 x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
                 y = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-                per_rank.append((x, y, (step + m + r) % 3 == 0))
+                per_rank.append((x, y, (step + m + (1 if same_modules else r)) % 3 == 0))
             micro.append(per_rank)
         out.append(micro)
     return out
@@ -89,7 +90,7 @@ def reference(data, world_size, gas, clip, lr=1e-2):
     return model, norms
 
 
-def config(stage, gas, clip, world_size, dtype="fp32", bucket=40, allgather=50):
+def config(stage, gas, clip, world_size, dtype="fp32", bucket=40, allgather=50, unit=60):
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -100,6 +101,7 @@ def config(stage, gas, clip, world_size, dtype="fp32", bucket=40, allgather=50):
             "reduce_bucket_size": bucket,
             "allgather_bucket_size": allgather,
             "overlap_comm": True,
+            "stage3_module_granularity_threshold": unit,  # stage 3: each leaf module a unit
         },
     }
     if dtype == "bf16":
@@ -128,6 +130,9 @@ def train_engine(cfg, data, lr=1e-2):
 
 def max_param_diff(engine, ref):
     ref_params = dict(ref.named_parameters())
+    if engine.gatherer is not None:  # stage 3: gather every unit to read the full parameters
+        for unit in engine.gatherer.units:
+            engine.gatherer.fetch(unit)
     return max(
         (p.detach().float() - ref_params[n].detach()).abs().max().item() if p.numel() else 0.0
         for n, p in engine.module.named_parameters()
@@ -136,9 +141,12 @@ def max_param_diff(engine, ref):
 
 def sweep_fp32(world_size):
     results = []
-    for stage, gas, clip, bucket in itertools.product((0, 1, 2), (1, 4), (0.0, 0.05), (40, 10**6)):
-        data = batches(world_size, gas)
-        engine, norms = train_engine(config(stage, gas, clip, world_size, bucket=bucket), data)
+    cases = itertools.product((0, 1, 2, 3), (1, 4), (0.0, 0.05), (40, 10**6))
+    for stage, gas, clip, bucket in cases:
+        data = batches(world_size, gas, same_modules=stage == 3)
+        # bucket also sets the stage-3 unit size: one unit per leaf module, or one for all
+        cfg = config(stage, gas, clip, world_size, bucket=bucket, unit=min(bucket, 60))
+        engine, norms = train_engine(cfg, data)
         ref, ref_norms = reference(data, world_size, gas, clip)
         results.append(
             {
@@ -310,22 +318,41 @@ def test_fp16_overflow_skips_step():
 def comm_volume():
     """Elements moved in one optimizer step at gradient_accumulation_steps 1 (paper units)."""
     out = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         engine, _, _, _ = _engine_for(config(stage, 1, 1.0, 2))
-        for micro in batches(2, 1, steps=1)[0]:
+        for micro in batches(2, 1, steps=1, same_modules=True)[0]:
             x, y, use_extra = micro[engine.rank]
             engine.backward(engine(x, y, use_extra=use_extra))
             engine.step()
         layout = engine.optimizer.layout
-        out[stage] = (engine.comm_stats(), layout.numel, layout.padded_numel, len(layout.buckets))
+        units = [
+            (u.name, sum(b.layout.padded_numel for b in u.buckets))
+            for u in (engine.gatherer.units if engine.gatherer else [])
+        ]
+        out[stage] = (
+            engine.comm_stats(),
+            layout.numel,
+            layout.padded_numel,
+            len(layout.buckets),
+            units,
+        )
     return out
 
 
 def test_comm_volume_is_two_psi():
     stats = run_ranks(comm_volume, 2)[0]
-    for stage, (ops, numel, padded, num_buckets) in stats.items():
+    for stage, (ops, numel, padded, num_buckets, units) in stats.items():
         big = {op: t for op, t in ops.items() if t["elements"] > 2}  # drop the 1-element norm sum
-        if stage == 0:
+        if stage == 3:
+            # reduce-scatter once; all-gather before forward and again before backward (3 Psi).
+            # `extra` did not run in this step (never gathered); the embedding is gathered for its
+            # forward and again when the output layer uses its weight, then stays pinned through
+            # backward (no third gather)
+            gathers = {"extra": 0}
+            expected = sum(gathers.get(name, 2) * size for name, size in units)
+            assert big["reduce_scatter"]["elements"] == padded
+            assert big["all_gather"]["elements"] == expected, (units, ops)
+        elif stage == 0:
             assert big == {
                 "all_reduce": {
                     "calls": big["all_reduce"]["calls"],
@@ -339,3 +366,27 @@ def test_comm_volume_is_two_psi():
             assert big["all_gather"]["elements"] == padded
         # stage 0 needs no padding; otherwise fewer than world-size pad elements per bucket
         assert padded - numel < (1 if stage == 0 else 2 * num_buckets)
+
+
+def stage3_memory():
+    """Stage 3 keeps only shards: after a step every trained parameter is a 0-element
+    placeholder, and the parameter bytes held are the owned slices."""
+    engine, _, _, _ = _engine_for(config(3, 1, 1.0, 2))
+    x, y, use_extra = batches(2, 1, steps=1, same_modules=True)[0][0][engine.rank]
+    engine.backward(engine(x, y, use_extra=use_extra))
+    engine.step()
+    sizes = {n: p.numel() for n, p in engine.module.named_parameters() if p.requires_grad}
+    layout = engine.optimizer.layout
+    with torch.no_grad():
+        engine.eval()
+        eval_loss = float(engine(x, y))
+        engine.train()
+    after_eval = {n: p.numel() for n, p in engine.module.named_parameters() if p.requires_grad}
+    return sizes, after_eval, engine.model_state_bytes()["params"], layout.padded_numel, eval_loss
+
+
+def test_stage3_holds_only_shards():
+    for sizes, after_eval, param_bytes, padded, eval_loss in run_ranks(stage3_memory, 2):
+        assert set(sizes.values()) == {0} and set(after_eval.values()) == {0}
+        assert param_bytes == padded // 2 * 4  # fp32, this rank's half of every bucket
+        assert math.isfinite(eval_loss)

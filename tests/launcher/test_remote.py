@@ -204,8 +204,13 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 @pytest.fixture
 def clean_launch_env(monkeypatch):
     for name in list(os.environ):
-        if name in _LAUNCH_VARS or name.startswith(("SLURM_", "OMPI_COMM_WORLD_")):
+        if name.startswith(("SLURM_", "OMPI_COMM_WORLD_")):
             monkeypatch.delenv(name)
+    for name in _LAUNCH_VARS:
+        # Set, then delete: monkeypatch then also removes what read_launch_env writes into
+        # os.environ (MASTER_ADDR, MASTER_PORT), which would reach later tests' jobs.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 

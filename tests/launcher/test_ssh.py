@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from zrun_helpers import (
+    ALL_REDUCE,
     GRANDCHILD,
     assert_nothing_left,
     wait_for_files,
@@ -77,20 +78,6 @@ def test_environment_and_node_rank_through_pdsh(loopback_sshd, tmp_path):
             assert json.load(f) == TRICKY
 
 
-ALL_REDUCE = """
-import torch
-import torch.distributed as dist
-dist.init_process_group("gloo")
-value = torch.tensor([float(dist.get_rank() + 1)])
-dist.all_reduce(value)
-record = {"sum": value.item(), "argv": sys.argv[1:], "cwd": os.getcwd()}
-record["env"] = {k: v for k, v in os.environ.items() if k.startswith(("ZERO_T_", "NOT_EXP"))}
-for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR"):
-    record[key] = os.environ[key]
-with open(os.path.join(OUT, f"rank{dist.get_rank()}.json"), "w") as f:
-    json.dump(record, f)
-dist.destroy_process_group()
-"""
 SLEEPER = f"""
 {GRANDCHILD}
 with open(os.path.join(OUT, "ready" + os.environ["RANK"]), "w") as f:

@@ -4,6 +4,7 @@ Every process a job starts carries the test's tmp_path in its command line, so "
 behind" is checked by scanning the process table for it.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,6 +18,55 @@ from zero.launcher.world import find_free_port
 
 # A rank script may start a grandchild that sleeps; it carries the marker in its argv.
 GRANDCHILD = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', MARKER])"
+
+# A rank started by zrun: a gloo all-reduce of rank + 1, then what it saw, in OUT/rank<R>.json.
+ALL_REDUCE = """
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+record = {"sum": value.item(), "argv": sys.argv[1:], "cwd": os.getcwd()}
+record["env"] = {k: v for k, v in os.environ.items() if k.startswith(("ZERO_T_", "NOT_EXP"))}
+for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR"):
+    record[key] = os.environ[key]
+with open(os.path.join(OUT, f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump(record, f)
+dist.destroy_process_group()
+"""
+# Rank 1 fails with code 7 while rank 0 waits: the job must end with 7 and leave nothing behind.
+FAIL_ON_RANK_1 = """
+if os.environ["RANK"] == "1":
+    sys.exit(7)
+time.sleep(60)
+"""
+# A rank started directly by srun or mpirun (no RANK/WORLD_SIZE): zero.initialize finds the
+# layout in SLURM_* or OMPI_COMM_WORLD_* variables, sets up gloo and takes one ZeRO-2 step.
+DIRECT_LAUNCH = """
+import torch
+import torch.distributed as dist
+import zero
+from zero.comm import read_launch_env
+launch = read_launch_env()
+torch.manual_seed(0)
+config = {
+    "train_micro_batch_size_per_gpu": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+    "zero_optimization": {"stage": 2},
+}
+engine, _, _, _ = zero.initialize(model=torch.nn.Linear(4, 1), config=config)
+engine.backward(engine(torch.full((1, 4), float(launch.rank + 1))).pow(2).mean())
+engine.step()
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+record = {"sum": value.item(), "launch": [launch.rank, launch.local_rank, launch.world_size]}
+record["dist"] = [dist.get_rank(), dist.get_world_size(), engine.comm.world_size]
+record["params"] = [p.tolist() for p in engine.module.parameters()]
+record["master"] = [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]
+with open(os.path.join(OUT, f"rank{launch.rank}.json"), "w") as f:
+    json.dump(record, f)
+dist.destroy_process_group()
+"""
 
 
 def zrun_command() -> list[str]:
@@ -67,3 +117,17 @@ def wait_for_files(paths, timeout_s=30.0):
     while not all(os.path.exists(p) for p in paths):
         assert time.monotonic() < deadline, f"ranks did not start: {paths}"
         time.sleep(0.05)
+
+
+def read_records(tmp_path, world_size):
+    """The rank<R>.json records of ranks 0..world_size-1, in rank order."""
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def run_job(tmp_path, command, env, timeout_s=80):
+    """Run a job's command from tmp_path, with HOME there too (so no ~/.zero_env of the machine
+    takes part); returns the CompletedProcess with text stdout and stderr."""
+    env = {**env, "HOME": str(tmp_path)}
+    return subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout_s
+    )

@@ -1,0 +1,209 @@
+"""ZeRO stage 3: parameters live only as shards and are gathered per fetch unit (paper, 5.3).
+
+[Note: fetch units]
+choose_units() walks the module tree from the root: a module whose parameters (its whole subtree)
+number at most `threshold` elements, whose class is listed in stage3_module_classes, or that has
+no children becomes one unit; a larger module recurses into its children, and its own direct
+parameters form a unit of their own. Each unit's parameters are laid out together (FlatLayout
+closes a bucket at every unit boundary), so gathering a unit is one all-gather per bucket.
+
+[Note: parameter lifecycle]
+A unit is SHARDED (each rank holds its 1/N slice; the module's parameters are 0-element
+placeholders) or GATHERED (full parameters in a transient buffer). It is gathered by a forward
+pre-hook, released by the forward hook, gathered again when the first gradient reaches its
+outputs (a multi-grad hook registered during forward), and released once every parameter of a
+bucket has its gradient (the gradient is then in the reduce-scatter buffer). A parameter used
+outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
+caught by UsageGuard, a TorchFunctionMode active during engine(...): it gathers the parameter's
+unit on the spot and pins it, so it stays gathered until the end of backward. All ranks run the
+same modules in the same order, so every rank issues the same all-gathers in the same order;
+a rank that skips a module another rank runs makes the collectives differ (see docs/stages.md).
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERED = "gathered"
+
+
+@dataclass
+class Unit:
+    """A fetch unit: a module and the trainable parameters gathered together for it."""
+
+    index: int
+    name: str
+    module: torch.nn.Module
+    buckets: list = field(default_factory=list)
+    state: UnitState = UnitState.SHARDED
+    pinned: bool = False  # gathered until the end of backward (used outside its forward)
+
+
+def choose_units(model: torch.nn.Module, threshold: int, class_names=()) -> tuple[list, dict]:
+    """Split `model` into fetch units. Returns (units, unit index by id(param)) for trainable
+    non-empty parameters; a parameter shared by several modules belongs to the first unit that
+    reaches it in module order."""
+    units: list[Unit] = []
+    unit_of: dict[int, int] = {}
+
+    def numel(module):
+        return sum(p.numel() for p in module.parameters())
+
+    def add(name, module, params):
+        fresh = [p for p in params if p.requires_grad and p.numel() and id(p) not in unit_of]
+        if fresh:
+            for param in fresh:
+                unit_of[id(param)] = len(units)
+            units.append(Unit(len(units), name or "<root>", module))
+
+    def visit(name, module):
+        children = list(module.named_children())
+        whole = not children or numel(module) <= threshold
+        if whole or type(module).__name__ in class_names:
+            add(name, module, module.parameters())
+            return
+        add(name, module, module.parameters(recurse=False))
+        for child_name, child in children:
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", model)
+    return units, unit_of
+
+
+class ParamGatherer:
+    """Gathers and releases units' parameters; installs the module hooks. Collective: every
+    gather is an all-gather all ranks issue in the same order."""
+
+    def __init__(self, units: list[Unit], comm, compute_dtype: torch.dtype):
+        self.units = units
+        self.comm = comm
+        self.compute_dtype = compute_dtype
+        self._unit_of_param: dict[int, Unit] = {}
+        self._hooks = []
+        self.busy = False  # inside fetch/release: UsageGuard must not react to our own ops
+
+    def attach(self, buckets) -> None:
+        """Bind each bucket to its unit (bucket.layout.unit) and release every parameter."""
+        for bucket in buckets:
+            unit = self.units[bucket.layout.unit]
+            unit.buckets.append(bucket)
+            for param in bucket.params:
+                self._unit_of_param[id(param)] = unit
+            _release_bucket(bucket)
+        for unit in self.units:
+            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
+            self._hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
+
+    def _pre_forward(self, unit: Unit):
+        def hook(module, args):
+            self.fetch(unit)
+
+        return hook
+
+    def _post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            if outputs and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grads: self.fetch(unit), mode="any"
+                )
+            self.release(unit)
+
+        return hook
+
+    def fetch(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERED:
+            return
+        self.busy = True
+        try:
+            for bucket in unit.buckets:
+                _gather_bucket(bucket, self.comm, self.compute_dtype)
+        finally:
+            self.busy = False
+        unit.state = UnitState.GATHERED
+
+    def release(self, unit: Unit, force: bool = False) -> None:
+        if unit.pinned and not force:
+            return
+        self.busy = True
+        try:
+            for bucket in unit.buckets:
+                _release_bucket(bucket)
+        finally:
+            self.busy = False
+        unit.state = UnitState.SHARDED
+        unit.pinned = False
+
+    def release_bucket_after_backward(self, bucket) -> None:
+        """All gradients of the bucket arrived: its full parameters are no longer needed."""
+        unit = self.units[bucket.layout.unit]
+        if not unit.pinned:
+            self.busy = True
+            try:
+                _release_bucket(bucket)
+            finally:
+                self.busy = False
+            if all(b.param_buffer is None for b in unit.buckets):
+                unit.state = UnitState.SHARDED
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit, force=True)
+
+    def unit_of(self, param) -> Unit | None:
+        return self._unit_of_param.get(id(param))
+
+
+class UsageGuard(TorchFunctionMode):
+    """Gathers and pins the unit of a released parameter that an op uses outside the unit's own
+    forward (tied weights, a parent's direct use of a child's weight)."""
+
+    def __init__(self, gatherer: ParamGatherer):
+        super().__init__()
+        self.gatherer = gatherer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.gatherer.busy:
+            return func(*args, **kwargs)
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.nn.Parameter) and value.numel() == 0:
+                unit = self.gatherer.unit_of(value)
+                if unit is not None:
+                    self.gatherer.fetch(unit)
+                    unit.pinned = True
+        return func(*args, **kwargs)
+
+
+def _gather_bucket(bucket, comm, dtype) -> None:
+    if bucket.param_buffer is not None:
+        return
+    layout = bucket.layout
+    buffer = torch.empty(layout.padded_numel, dtype=dtype, device=bucket.param_shard.device)
+    comm.all_gather(buffer, bucket.param_shard)
+    bucket.param_buffer = buffer
+    for slot, param in zip(layout.slots, bucket.params):
+        param.data = buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+
+def _release_bucket(bucket) -> None:
+    placeholder = torch.empty(0, dtype=bucket.param_shard.dtype, device=bucket.param_shard.device)
+    for param in bucket.params:
+        param.data = placeholder
+    bucket.param_buffer = None
+
+
+def _tensors(output):
+    if torch.is_tensor(output):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
