@@ -8,6 +8,7 @@ Names are imported on first use, so `zrun` (zero.launcher) starts without import
 import importlib
 
 _EXPORTS = {
+    "CheckpointError": "checkpoint",
     "initialize": "api",
     "Engine": "engine",
     "Config": "config",
@@ -17,7 +18,16 @@ _EXPORTS = {
 
 # Submodules reachable as attributes: zero.checkpointing is engine/activation.py (DeepSpeed's
 # deepspeed.checkpointing); zero.mpu and zero.tensor_parallel are model parallelism (ZeRO-R).
-_MODULES = {"checkpointing": "activation", "mpu": "mpu", "tensor_parallel": "tensor_parallel"}
+_MODULES = {
+    "checkpointing": "activation",
+    "mpu": "mpu",
+    "tensor_parallel": "tensor_parallel",
+    "checkpoint": "checkpoint",
+    "config": "config",
+    "optim": "optim",
+    "lr_schedules": "lr_schedules",
+    "ops": "ops",
+}
 
 __all__ = sorted([*_EXPORTS, *_MODULES])
 

@@ -132,15 +132,21 @@ def _write_files(engine, directory: str) -> None:
         _write_module_file(engine, directory)
 
 
+def _check_tag(tag: str) -> None:
+    """A tag is a plain directory name that cannot collide with zero's own files."""
+    reserved = tag in (".", "..", LATEST) or tag.endswith((".tmp", ".old"))
+    if not tag or reserved or "/" in tag or os.sep in tag:
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not a plain directory name (no '/', not '.', '..' or "
+            f"'{LATEST}', not ending in '.tmp' or '.old')"
+        )
+
+
 def _agree_on_tag(engine, tag: str) -> str:
     """Every rank saves under rank 0's tag. A rank whose own tag differs is reported as
     checkpoint.tag_validation says: Warn (log, go on), Fail (CheckpointError on every rank) or
     Ignore. Raises CheckpointError for a tag that is not a plain directory name."""
-    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.endswith(".tmp"):
-        raise CheckpointError(
-            f"checkpoint tag {tag!r} is not a plain directory name (no '/', not '.', '..' or "
-            "ending in '.tmp')"
-        )
+    _check_tag(tag)
     if engine.comm.world_size == 1:
         return tag
     encoded = torch.zeros(256, dtype=torch.uint8)
@@ -163,34 +169,47 @@ def _agree_on_tag(engine, tag: str) -> str:
 
 
 def _check_json(value, what: str) -> None:
-    try:
-        json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError) as error:
-        bad = [k for k, v in value.items() if not _is_json(v)] if isinstance(value, Mapping) else []
-        where = f"{what}[{bad[0]!r}]" if bad else what
-        raise CheckpointError(
-            f"{where} is not JSON-serializable ({error}); checkpoints store client_state as JSON: "
-            "convert tensors with .tolist() and objects to dicts"
-        ) from None
+    """`value` must survive JSON unchanged (no tensors, tuples or non-string keys)."""
+    if _is_json(value):
+        return
+    bad = (
+        [k for k, v in value.items() if not _is_json({k: v})] if isinstance(value, Mapping) else []
+    )
+    where = f"{what}[{bad[0]!r}]" if bad else what
+    raise CheckpointError(
+        f"{where} does not survive JSON unchanged; checkpoints store client_state as JSON: use "
+        "numbers, strings, lists and dicts with string keys (tensor.tolist(), list(tuple))"
+    )
 
 
 def _is_json(value) -> bool:
     try:
-        json.dumps(value, allow_nan=True)
-        return True
+        return json.loads(json.dumps(value, allow_nan=True)) == value and _no_tuples(value)
     except (TypeError, ValueError):
         return False
+
+
+def _no_tuples(value) -> bool:
+    if isinstance(value, tuple):
+        return False
+    if isinstance(value, list):
+        return all(_no_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return all(_no_tuples(v) for v in value.values())
+    return True
 
 
 def _scheduler_state(engine):
     if engine.lr_scheduler is None:
         return None
     state = engine.lr_scheduler.state_dict()
-    if not _is_json(state):
+    try:
+        json.dumps(state, allow_nan=True)
+    except (TypeError, ValueError):
         raise CheckpointError(
             f"the lr scheduler {type(engine.lr_scheduler).__name__} has a state_dict that is not "
             "JSON-serializable; use a scheduler from the config or one with plain state"
-        )
+        ) from None
     return state
 
 
@@ -231,6 +250,9 @@ def _module_tensors(module):
 
 def _save_safetensors(tensors: dict, path: str) -> None:
     save_file(tensors, path)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # as any file the user creates (safetensors writes 0600)
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
 
@@ -359,6 +381,7 @@ def resolve(load_dir: str, tag: str | None) -> str:
             raise CheckpointError(f"{latest} does not exist; pass tag= or save with save_latest")
         with open(latest) as handle:
             tag = handle.read().strip()
+    _check_tag(tag)
     path = os.path.join(load_dir, tag)
     if not os.path.isfile(os.path.join(path, META)):
         raise CheckpointError(f"{os.path.join(path, META)} does not exist: not a zero checkpoint")

@@ -16,6 +16,7 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 from .accelerator import Accelerator
 from .comm import Communicator
@@ -361,6 +362,34 @@ class Engine(torch.nn.Module):
         """Global L2 gradient norm of the last optimizer step, before clipping (all ranks equal)."""
         norm = self.optimizer.global_grad_norm
         return None if norm is None else float(norm)
+
+    # DeepSpeed's accessors that training scripts call; each reads the config or the comm.
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    @property
+    def global_rank(self) -> int:
+        """Rank in the whole job (torch.distributed's rank; 0 without a process group)."""
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property
     def loss_scale(self) -> float:

@@ -6,6 +6,7 @@ Runs in one process on any machine; the world size the checkpoint was saved with
 """
 
 import argparse
+import os
 import sys
 
 from .checkpoint import CheckpointError, consolidate, save_consolidated
@@ -31,6 +32,18 @@ def parse_size(text: str) -> int:
         ) from None
 
 
+def _check_output(output: str, checkpoint_dir: str) -> None:
+    """The output must go to an existing directory outside the checkpoint it reads."""
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise ValueError(f"output directory {parent} does not exist")
+    inside = os.path.commonpath([parent, os.path.abspath(checkpoint_dir)])
+    if inside == os.path.abspath(checkpoint_dir):
+        raise ValueError(
+            f"output {output} is inside the checkpoint {checkpoint_dir}; write it elsewhere"
+        )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="zero-to-fp32", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint_dir", help="save_dir (follows `latest`) or a tag directory")
@@ -44,6 +57,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         limit = parse_size(args.max_shard_size) if args.max_shard_size else None
+        if limit is not None and limit <= 0:
+            raise ValueError(f"--max_shard_size {args.max_shard_size!r} must be positive")
+        _check_output(args.output, args.checkpoint_dir)
         state = consolidate(args.checkpoint_dir, tag=args.tag)
         files = save_consolidated(state, args.output, limit)
     except (CheckpointError, ValueError) as error:

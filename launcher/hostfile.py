@@ -136,6 +136,9 @@ def select_resources(
             num_gpus, a filter naming a host or slot not in the pool, a count <= 0 or larger
             than the pool, or nothing left after filtering.
     """
+    for flag, value in (("--include", include), ("--exclude", exclude)):
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} is empty; name hosts such as 'worker-0:0,1@worker-1'")
     if include and exclude:
         raise ValueError("--include and --exclude are mutually exclusive; pass one of them")
     if (include or exclude) and (num_nodes is not None or num_gpus is not None):

@@ -74,21 +74,29 @@ def simd_level() -> SimdLevel:
     """AVX-512 (avx512f), else AVX2 (with FMA and F16C), else scalar.
 
     $ZERO_CPU_SIMD (avx512, avx2 or scalar) overrides the detection, e.g. to test the scalar
-    build on an AVX2 machine. Raises ValueError for any other value.
+    build on an AVX2 machine. Raises ValueError for any other value, or a level the CPU lacks.
     """
-    forced = os.environ.get("ZERO_CPU_SIMD")
-    if forced:
-        try:
-            return SimdLevel(forced.lower())
-        except ValueError:
-            choices = ", ".join(level.value for level in SimdLevel)
-            raise ValueError(f"ZERO_CPU_SIMD={forced!r}; use one of {choices}") from None
     flags = cpu_features()
+    detected = SimdLevel.SCALAR
     if "avx512f" in flags:
-        return SimdLevel.AVX512
-    if {"avx2", "fma", "f16c"} <= flags:
-        return SimdLevel.AVX2
-    return SimdLevel.SCALAR
+        detected = SimdLevel.AVX512
+    elif {"avx2", "fma", "f16c"} <= flags:
+        detected = SimdLevel.AVX2
+    forced = os.environ.get("ZERO_CPU_SIMD")
+    if not forced:
+        return detected
+    order = [SimdLevel.SCALAR, SimdLevel.AVX2, SimdLevel.AVX512]
+    try:
+        level = SimdLevel(forced.lower())
+    except ValueError:
+        choices = ", ".join(level.value for level in SimdLevel)
+        raise ValueError(f"ZERO_CPU_SIMD={forced!r}; use one of {choices}") from None
+    if order.index(level) > order.index(detected):
+        raise ValueError(
+            f"ZERO_CPU_SIMD={forced!r} but this CPU supports at most {detected.value}; "
+            "a build for it would crash with an illegal instruction"
+        )
+    return level
 
 
 def cache_root() -> Path:

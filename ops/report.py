@@ -70,12 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zero-report", description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="build every compatible op first")
     args = parser.parse_args(argv)
-    if args.build:
-        from .builder import build_all
+    try:
+        if args.build:
+            from .builder import build_all
 
-        for name, result in build_all(verbose=False).items():
-            print(f"build {name}: {result}")
-    print("\n".join(report_lines()))
+            for name, result in build_all(verbose=False).items():
+                print(f"build {name}: {result}")
+        print("\n".join(report_lines()))
+    except ValueError as error:  # a bad ZERO_* setting
+        print(f"zero-report: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -3,6 +3,7 @@ single-process reference; atomic save; corrupted and mismatched checkpoints; con
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -256,6 +257,19 @@ def test_consolidated_state_loads_strict_with_ties_and_frozen(chained, tmp_path)
     for name, value in model.state_dict().items():
         assert torch.equal(value, weights[name]), name
     assert torch.equal(model.frozen.weight, weights["frozen.weight"])
+    inside = os.path.join(root, "stage1-fp32", "out.safetensors")
+    for bad_args in (
+        [inside],
+        [str(tmp_path / "missing" / "x.safetensors")],
+        [str(out), "--max_shard_size", "0"],
+    ):
+        result = subprocess.run(
+            [shutil.which("zero-to-fp32"), os.path.join(root, "stage1-fp32"), *bad_args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 2 and result.stderr.startswith("zero-to-fp32: error:")
 
 
 def kill_during_save(root):
@@ -301,7 +315,11 @@ def test_errors_name_file_and_key(tmp_path):
     with pytest.raises(CheckpointError, match=r"client_state\['bad'\]"):
         engine.save_checkpoint(tmp_path, client_state={"ok": 1, "bad": torch.ones(1)})
     assert not os.path.exists(tmp_path / "latest")
-    for bad in ("../evil", "a/b", "..", "x.tmp", ""):
+    with pytest.raises(CheckpointError, match=r"client_state\['t'\] does not survive JSON"):
+        engine.save_checkpoint(tmp_path, client_state={"t": (1, 2)})
+    with pytest.raises(CheckpointError, match=r"client_state\[1\]"):
+        engine.save_checkpoint(tmp_path, client_state={1: "a"})
+    for bad in ("../evil", "a/b", "..", "x.tmp", "", "latest", "best.old"):
         with pytest.raises(CheckpointError, match="plain directory name"):
             engine.save_checkpoint(tmp_path, tag=bad)
     engine.save_checkpoint(tmp_path, tag="good")

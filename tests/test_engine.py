@@ -42,6 +42,11 @@ def test_loop_counters_and_boundary():
     assert engine.global_steps == 2 and engine.global_samples == 8 and engine.skipped_steps == 0
     assert engine.was_step_applied() and engine.get_global_grad_norm() > 0
     assert engine.get_lr() == [1e-2]
+    # DeepSpeed's accessors
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()) == (4, 2)
+    assert engine.gradient_accumulation_steps() == 2 and engine.zero_optimization_stage() == 2
+    assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.global_rank == 0 and engine.local_rank == 0
 
 
 def test_adam_w_mode_false_gives_adam():

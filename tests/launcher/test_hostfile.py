@@ -177,3 +177,11 @@ def test_omp_num_threads_splits_cores():
     num_cores = len(os.sched_getaffinity(0))
     assert agent.omp_num_threads(1) == num_cores
     assert agent.omp_num_threads(10_000) == 1
+
+
+def test_empty_include_or_exclude_is_an_error():
+    from zero.launcher.hostfile import select_resources
+
+    for kwargs in ({"include": ""}, {"exclude": "  "}):
+        with pytest.raises(ValueError, match="is empty"):
+            select_resources({"localhost": [0, 1]}, **kwargs)
