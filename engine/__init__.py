@@ -9,6 +9,7 @@ import importlib
 
 _EXPORTS = {
     "CheckpointError": "checkpoint",
+    "GatheredParameters": "gathered",
     "initialize": "api",
     "Engine": "engine",
     "Config": "config",

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import gathered
 from .accelerator import Accelerator
 from .comm import Communicator
 from .flat import FlatLayout
@@ -102,6 +103,14 @@ class Engine(torch.nn.Module):
             self.gatherer = ParamGatherer(units, comm, config.compute_dtype)
             self.gatherer.attach(self.optimizer.buckets)
             self.optimizer.gatherer = self.gatherer
+            # torch tags these hooks with attributes, which bound methods cannot take
+            self.module.register_state_dict_pre_hook(
+                lambda *args: self._gather_for_state_dict(*args)
+            )
+            self.module.register_state_dict_post_hook(
+                lambda *args: self._release_after_state_dict(*args)
+            )
+        gathered.register(self.optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
         self.phase = Phase.IDLE
         self.micro_steps = 0
@@ -305,6 +314,46 @@ class Engine(torch.nn.Module):
                 self.loss_scale,
                 self.get_global_grad_norm() or float("nan"),
             )
+
+    # ----- full weights (stage 3 gathers them) ------------------------------------------
+    def _gather_for_state_dict(self, module, prefix, keep_vars) -> None:
+        """Stage 3: module.state_dict() gathers every unit first, so it holds full tensors
+        (collective: every rank must call it, as for DeepSpeed's save_16bit_model)."""
+        if prefix:
+            return
+        if not self.config.zero.stage3_gather_16bit_weights_on_model_save:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: under ZeRO stage 3 the module's parameters are "
+                "partitioned; set zero_optimization.stage3_gather_16bit_weights_on_model_save to "
+                "true to gather them for state_dict(), or use zero-to-fp32 on a checkpoint"
+            )
+        for unit in self.gatherer.units:
+            self.gatherer.fetch(unit)
+
+    def _release_after_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        # The returned tensors keep the gathered storage alive; the module goes back to shards.
+        if not prefix:
+            self.gatherer.release_all()
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> str | None:
+        """Write the full model in the compute dtype (fp32/bf16/fp16) as one safetensors file
+        from rank 0, every state_dict key included (tied parameters as equal copies).
+
+        Collective: every rank must call it (stage 3 gathers the parameters). Raises
+        RuntimeError under stage 3 when stage3_gather_16bit_weights_on_model_save is false.
+        Returns the path on rank 0, None elsewhere.
+        """
+        from safetensors.torch import save_file
+
+        state = self.module.state_dict()
+        if self.comm.rank != 0:
+            return None
+        os.makedirs(save_dir, exist_ok=True)
+        # safetensors refuses tensors sharing storage: every name gets its own copy.
+        tensors = {name: t.detach().cpu().clone() for name, t in state.items()}
+        path = os.path.join(save_dir, save_filename)
+        save_file(tensors, path)
+        return path
 
     # ----- checkpoints (engine/checkpoint.py) --------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:

@@ -186,3 +186,19 @@ def test_loss_scaler_hysteresis_window_and_minimum():
     static = LossScaler(scale=128.0)
     static.update(overflow=True)
     assert static.scale == 128.0
+
+
+def test_stage3_state_dict_needs_gathering_enabled():
+    engine, _, _, _ = zero.initialize(
+        model=Tiny(), config=base_config(zero_optimization={"stage": 3})
+    )
+    assert engine.module.a.weight.numel() == 0  # partitioned between uses
+    with pytest.raises(RuntimeError, match="stage3_gather_16bit_weights_on_model_save"):
+        engine.module.state_dict()
+    with pytest.raises(RuntimeError, match="stage3_gather_16bit_weights_on_model_save"):
+        engine.save_16bit_model("unused")
+    engine.backward(engine(torch.randn(2, 5)))
+    engine.step()
+    engine.backward(engine(torch.randn(2, 5)))
+    engine.step()
+    assert engine.global_steps == 1 and engine.module.a.weight.numel() == 0

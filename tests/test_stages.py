@@ -390,3 +390,55 @@ def test_stage3_holds_only_shards():
         assert set(sizes.values()) == {0} and set(after_eval.values()) == {0}
         assert param_bytes == padded // 2 * 4  # fp32, this rank's half of every bucket
         assert math.isfinite(eval_loss)
+
+
+def gathered_and_16bit(tmp):
+    """GatheredParameters reads and modifies (stage 3 and 2); state_dict and save_16bit_model give
+    full tensors equal to the masters cast to the compute dtype."""
+    import os
+
+    import zero
+
+    out = {}
+    for stage in (2, 3):
+        cfg = config(stage, 1, 1.0, 2)
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        engine, _, _, _ = _engine_for(cfg)
+        weight = engine.module.proj.weight
+        with zero.GatheredParameters([weight], modifier_rank=1):
+            shape = tuple(weight.shape)
+            if engine.rank == 1:
+                weight.data[0].fill_(7.0)
+        with zero.GatheredParameters(weight):
+            row = weight[0].tolist()
+        state = engine.module.state_dict()
+        path = engine.save_16bit_model(os.path.join(tmp, f"s{stage}"))
+        masters = torch.cat([b.master[: b.layout.shard_numel] for b in engine.optimizer.buckets])
+        out[stage] = {
+            "shape": shape,
+            "row": row,
+            "state_shapes": {k: tuple(v.shape) for k, v in state.items()},
+            "released": engine.module.proj.weight.numel(),
+            "path": path,
+            "master_has_7": bool((masters == 7.0).any()),
+        }
+    return out
+
+
+def test_gathered_parameters_and_16bit_save(tmp_path):
+    from safetensors.torch import load_file
+
+    per_rank = run_ranks(gathered_and_16bit, 2, str(tmp_path))
+    full = {k: tuple(v.shape) for k, v in Net().state_dict().items()}
+    for stage in (2, 3):
+        for rank_out in per_rank:
+            res = rank_out[stage]
+            assert res["shape"] == (HIDDEN, DIM) and res["row"] == [7.0] * DIM
+            assert res["state_shapes"] == full
+            assert res["released"] == (0 if stage == 3 else HIDDEN * DIM)
+        assert any(r[stage]["master_has_7"] for r in per_rank)  # the owner's master changed
+        saved = load_file(per_rank[0][stage]["path"])
+        model = Net()
+        model.load_state_dict(saved, strict=True)
+        assert torch.equal(model.proj.weight[0], torch.full((DIM,), 7.0))
+        assert per_rank[1][stage]["path"] is None

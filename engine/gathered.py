@@ -1,0 +1,95 @@
+"""zero.GatheredParameters: full parameters for reading or for a modification on one rank.
+
+DeepSpeed's `deepspeed.zero.GatheredParameters(params, modifier_rank=None)`:
+
+    with zero.GatheredParameters(model.embed.weight, modifier_rank=0):
+        if rank == 0:
+            model.embed.weight[3].zero_()        # the change reaches every rank on exit
+
+On enter, the parameters' stage-3 units are all-gathered (stages 0-2 hold full parameters
+already). On exit with `modifier_rank` set, the full values of that rank are broadcast and written
+into every rank's owned slices (the low-precision shard and the fp32 master weights, so the next
+optimizer step starts from them); then stage-3 units are released. Collective: every rank of the
+data-parallel group enters and leaves the context together with the same parameters.
+"""
+
+import weakref
+
+import torch
+
+# id(param) -> the ZeroOptimizer that lays it out (weak, so engines can be garbage collected).
+_OWNER: dict[int, weakref.ref] = {}
+
+
+def register(optimizer) -> None:
+    """Record which ZeroOptimizer owns each laid-out parameter (called by the Engine)."""
+    ref = weakref.ref(optimizer)
+    for bucket in optimizer.buckets:
+        for param in bucket.params:
+            _OWNER[id(param)] = ref
+
+
+class GatheredParameters:
+    """Context manager; params: one parameter or an iterable of them. Parameters zero does not
+    partition (frozen ones, or of a model without an engine) pass through unchanged.
+
+    Raises ValueError for a modifier_rank outside the data-parallel group.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled=True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in params if p is not None]
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._units = []
+
+    def _owner(self):
+        for param in self.params:
+            ref = _OWNER.get(id(param))
+            if ref is not None and ref() is not None:
+                return ref()
+        return None
+
+    def __enter__(self):
+        optimizer = self._owner() if self.enabled else None
+        if optimizer is None:
+            return self
+        world = optimizer.comm.world_size
+        if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
+            raise ValueError(f"modifier_rank={self.modifier_rank} is outside 0..{world - 1}")
+        gatherer = optimizer.gatherer
+        if gatherer is not None:
+            units = {id(u): u for p in self.params if (u := gatherer.unit_of(p)) is not None}
+            self._units = sorted(units.values(), key=lambda u: u.index)
+            for unit in self._units:
+                gatherer.fetch(unit)
+                unit.pinned = True
+        return self
+
+    def __exit__(self, *exc):
+        optimizer = self._owner() if self.enabled else None
+        if optimizer is None:
+            return False
+        if self.modifier_rank is not None:
+            with torch.no_grad():
+                _publish_modification(optimizer, self.params, self.modifier_rank)
+        for unit in self._units:
+            optimizer.gatherer.release(unit, force=True)
+        return False
+
+
+def _publish_modification(optimizer, params, src: int) -> None:
+    """Broadcast the buckets holding `params` from rank `src` and refresh the owned slices."""
+    ids = {id(p) for p in params}
+    shard = optimizer.layout.shard_of(optimizer.comm.rank)
+    for bucket in optimizer.buckets:
+        if not any(id(p) in ids for p in bucket.params):
+            continue
+        optimizer.comm.broadcast(bucket.param_buffer, src=src)
+        begin, end = bucket.layout.owned_range(shard)
+        owned = bucket.param_buffer[begin:end]
+        if bucket.param_shard.data_ptr() != owned.data_ptr():
+            bucket.param_shard.copy_(owned)
+        if bucket.master is not bucket.param_shard:
+            bucket.master.copy_(owned)

@@ -1,0 +1,161 @@
+"""Memory accounting of model states: what each rank holds, next to the paper's formula.
+
+[Note: the two formulas]
+The paper (ZeRO, section 3.1 and figure 1) counts mixed-precision Adam as 2 bytes of fp16
+parameters, 2 bytes of fp16 gradients and K = 12 bytes of fp32 master weights, momentum and
+variance per parameter: DP 16 Psi, stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N,
+stage 3 16 Psi / N. zero accumulates gradients in fp32 (data_types.grad_accum_dtype), so its
+gradient term is 4 bytes, not 2: DP 18 Psi, stage 1 6 Psi + 12 Psi / N, stage 2 2 Psi +
+16 Psi / N, stage 3 18 Psi / N. With fp32 compute the fp32 parameters are the master weights (no
+copy), so K drops to 8. Every report prints both and says which one the measurement follows.
+
+zero's own convention also sets Psi: each bucket is padded to a multiple of N (flat.py), so the
+per-rank figures use the padded element count; the paper's Psi (unpadded) differs by under 1%.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+# Optimizers whose state is two fp32 tensors per parameter (Adam's m and v): 8 bytes/element.
+ADAM_LIKE = frozenset({"Adam", "AdamW", "CPUAdam", "FusedAdam", "Adamax", "NAdam", "RAdam"})
+
+CATEGORIES = ("params", "grads", "master", "optimizer_state", "host_grad")
+CATEGORY_TITLES = {
+    "params": "low-precision parameters",
+    "grads": "fp32 gradient buffers/shards",
+    "master": "fp32 master weights",
+    "optimizer_state": "optimizer state",
+    "host_grad": "host gradient copy (offload)",
+}
+
+
+@dataclass(frozen=True)
+class ModelStateSpec:
+    """What decides model-state bytes per rank.
+
+    numel: parameter elements (Psi) as laid out, padding included (elements). num_shards: N, the
+    ranks that split each bucket (1 for stage 0). compute_bytes: bytes of one element of the
+    compute dtype (2 for bf16/fp16, 4 for fp32). state_bytes: optimizer-state bytes per element
+    (8 for Adam-like optimizers; None when unknown). offload: optimizer offload to the host.
+    """
+
+    stage: int
+    numel: int
+    num_shards: int
+    compute_bytes: int = 2
+    state_bytes: int | None = 8
+    offload: bool = False
+
+
+def model_state_formula(spec: ModelStateSpec) -> dict[str, int | None]:
+    """Bytes per rank per category under zero's conventions (fp32 gradient accumulation,
+    padded Psi; see [Note: the two formulas]). Keys are CATEGORIES; None when unknown."""
+    psi, n = spec.numel, spec.num_shards
+    shard = psi // n
+    master_aliases = spec.compute_bytes == 4 and not spec.offload
+    return {
+        "params": (shard if spec.stage == 3 else psi) * spec.compute_bytes,
+        "grads": 4 * (psi if spec.stage < 2 else shard),
+        "master": 0 if master_aliases else 4 * shard,
+        "optimizer_state": None if spec.state_bytes is None else spec.state_bytes * shard,
+        "host_grad": 4 * shard if spec.offload else 0,
+    }
+
+
+def offloaded_bytes(bytes_by_category: dict) -> int:
+    """Bytes of the categories that live in host memory with optimizer offload."""
+    return sum(bytes_by_category.get(k) or 0 for k in ("master", "optimizer_state", "host_grad"))
+
+
+def formula_text(stage: int, compute_bytes: int) -> tuple[str, str]:
+    """(paper formula with 2-byte gradients, zero's formula with 4-byte fp32 gradients), per
+    rank, in Psi and N; for fp32 compute, K = 8 (no separate master copy)."""
+    paper = {0: "16 Psi", 1: "4 Psi + 12 Psi/N", 2: "2 Psi + 14 Psi/N", 3: "16 Psi/N"}[stage]
+    p, k = compute_bytes, (12 if compute_bytes != 4 else 8)
+    ours = {
+        0: f"{p + 4 + k} Psi",
+        1: f"{p + 4} Psi + {k} Psi/N",
+        2: f"{p} Psi + {4 + k} Psi/N",
+        3: f"{p + 4 + k} Psi/N",
+    }[stage]
+    return paper, ours
+
+
+def state_bytes_per_element(optimizer) -> int | None:
+    """Optimizer-state bytes per parameter element for known optimizers, else None."""
+    return 8 if type(optimizer).__name__ in ADAM_LIKE else None
+
+
+def measure(zero_optimizer) -> dict[str, int]:
+    """Bytes this rank holds per category, measured from zero's tensors (not a collective).
+
+    Optimizer state exists only after the first optimizer step (torch creates it lazily).
+    """
+    measured = dict(zero_optimizer.model_state_bytes())
+    measured["host_grad"] = sum(
+        b.host_grad.numel() * b.host_grad.element_size()
+        for b in zero_optimizer.buckets
+        if b.host_grad is not None
+    )
+    return {k: measured.get(k, 0) for k in CATEGORIES}
+
+
+def memory_report(engine) -> dict:
+    """engine.memory_report(): measured and formula bytes per category for this rank.
+
+    Returns {"rank", "stage", "world_size", "num_shards", "psi", "psi_padded", "measured",
+    "formula", "offloaded_bytes", "paper_formula", "zero_formula", "gradient_bytes"}; bytes are
+    per rank. Not a collective.
+    """
+    opt = engine.optimizer
+    layout = opt.layout
+    compute_bytes = torch.empty(0, dtype=engine.config.compute_dtype).element_size()
+    spec = ModelStateSpec(
+        stage=engine.config.zero.stage,
+        numel=layout.padded_numel,
+        num_shards=layout.num_shards,
+        compute_bytes=compute_bytes,
+        state_bytes=state_bytes_per_element(opt.optimizer),
+        offload=opt.settings.offload,
+    )
+    measured = measure(opt)
+    paper, ours = formula_text(spec.stage, compute_bytes)
+    return {
+        "rank": engine.comm.rank,
+        "stage": spec.stage,
+        "world_size": engine.comm.world_size,
+        "num_shards": spec.num_shards,
+        "psi": layout.numel,
+        "psi_padded": layout.padded_numel,
+        "measured": measured,
+        "formula": model_state_formula(spec),
+        "offloaded_bytes": offloaded_bytes(measured) if spec.offload else 0,
+        "paper_formula": paper,
+        "zero_formula": ours,
+        "gradient_bytes": 4,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The memory report as a fixed-width table (MiB and bytes)."""
+    lines = [
+        f"zero memory report, rank {report['rank']}, stage {report['stage']}, "
+        f"N={report['num_shards']} of world {report['world_size']}, "
+        f"Psi={report['psi']:,} ({report['psi_padded']:,} padded)",
+        f"{'category':<32}{'measured B':>16}{'formula B':>16}{'MiB':>10}",
+    ]
+    for key in CATEGORIES:
+        got, want = report["measured"][key], report["formula"][key]
+        want_text = "n/a" if want is None else f"{want:,}"
+        lines.append(f"{CATEGORY_TITLES[key]:<32}{got:>16,}{want_text:>16}{got / 2**20:>10.2f}")
+    total = sum(report["measured"].values())
+    want_total = sum(v or 0 for v in report["formula"].values())
+    lines.append(f"{'total model states':<32}{total:>16,}{want_total:>16,}{total / 2**20:>10.2f}")
+    if report["offloaded_bytes"]:
+        lines.append(f"of which in host memory (offload): {report['offloaded_bytes']:,} B")
+    lines.append(
+        f"formula: zero (fp32 gradient accumulation, 4-byte gradients) {report['zero_formula']}; "
+        f"paper (2-byte gradients) {report['paper_formula']}"
+    )
+    return "\n".join(lines)
