@@ -68,6 +68,7 @@ setup(
             "zrun=zero.launcher:main",
             "zero-report=zero.ops.report:main",
             "zero-to-fp32=zero.zero_to_fp32:main",
+            "zero-estimate=zero.estimator:main",
         ]
     },
     cmdclass={"build_py": BuildPyWithOps, "develop": DevelopWithOps},

@@ -11,20 +11,26 @@ process group, so single-process runs take exactly the code path of multi-rank r
 crosses a network then, so nothing is counted.
 """
 
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger("zero")
+
 
 @dataclass
 class OpTotals:
-    """Totals for one collective kind: calls, elements (paper units) and bytes per rank."""
+    """Totals for one collective kind: calls, elements (paper units), bytes per rank, and
+    seconds from launch to completion (only while timing is on, see Communicator.timing)."""
 
     calls: int = 0
     elements: int = 0
     bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -41,6 +47,10 @@ class CommLedger:
         totals.elements += elements
         totals.bytes += elements * element_size
 
+    def add_time(self, op: str, seconds: float) -> None:
+        """Add the launch-to-completion time of one collective of kind `op`."""
+        self.current.setdefault(op, OpTotals()).seconds += seconds
+
     def end_step(self) -> None:
         """Close the optimizer step: its totals move to `last_step`, counting restarts at 0."""
         self.last_step, self.current = self.current, {}
@@ -49,13 +59,17 @@ class CommLedger:
 class Handle:
     """The pair of an asynchronous collective: `wait()` finishes it (idempotent)."""
 
-    def __init__(self, work=None):
+    def __init__(self, work=None, on_done=None):
         self._work = work
+        self._on_done = on_done  # timing: called once the collective has finished
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
 
 
 class Communicator:
@@ -70,10 +84,41 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.ledger = CommLedger()
+        # [Note: collective timing] comms_logger: None = no timing; else the collective names to
+        # time (an empty set times all). A collective's time runs from its launch until its
+        # wait() returns (for asynchronous ones this includes the compute it overlapped with); on
+        # CUDA the wait synchronizes the device so the time is the transfer's, not the launch's.
+        self.timing: frozenset | None = None
+        self.verbose = False  # log every collective as it is issued
+
+    def enable_timing(self, ops=(), verbose: bool = False) -> None:
+        """Time collectives named in `ops` (all when empty) into the ledger's `seconds`."""
+        self.timing = frozenset(ops)
+        self.verbose = verbose
 
     def _record(self, op: str, elements: int, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
             self.ledger.record(op, elements, tensor.element_size())
+            if self.verbose:
+                logger.info(
+                    "rank %d: %s of %d elements (%s)", self.rank, op, elements, tensor.dtype
+                )
+
+    def _run(self, op: str, tensor: torch.Tensor, launch, async_op: bool) -> Handle:
+        """Launch a collective (launch() returns torch's work or None) and time it if asked."""
+        if self.timing is None or (self.timing and op not in self.timing):
+            return Handle(launch())
+        start = time.perf_counter()
+
+        def done() -> None:
+            if tensor.is_cuda:
+                torch.cuda.synchronize(tensor.device)
+            self.ledger.add_time(op, time.perf_counter() - start)
+
+        handle = Handle(launch(), on_done=done)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         """Sum (op "sum") or maximum (op "max") of `tensor` over the group, in place."""
@@ -81,7 +126,12 @@ class Communicator:
         if self.world_size == 1:
             return Handle()
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return Handle(dist.all_reduce(tensor, reduce_op, group=self.group, async_op=async_op))
+        return self._run(
+            "all_reduce",
+            tensor,
+            lambda: dist.all_reduce(tensor, reduce_op, group=self.group, async_op=async_op),
+            async_op,
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -97,8 +147,11 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        return Handle(
-            dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+        return self._run(
+            "reduce_scatter",
+            input,
+            lambda: dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op),
+            async_op,
         )
 
     def all_gather(
@@ -114,13 +167,23 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        return Handle(dist.all_gather_single(output, input, group=self.group, async_op=async_op))
+        return self._run(
+            "all_gather",
+            output,
+            lambda: dist.all_gather_single(output, input, group=self.group, async_op=async_op),
+            async_op,
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Copy `tensor` from group rank `src` to every rank, in place."""
         self._record("broadcast", tensor.numel(), tensor)
         if self.world_size > 1:
-            dist.broadcast(tensor, group_src=src, group=self.group)
+            self._run(
+                "broadcast",
+                tensor,
+                lambda: dist.broadcast(tensor, group_src=src, group=self.group),
+                False,
+            )
 
     def barrier(self) -> None:
         if self.world_size > 1:

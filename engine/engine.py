@@ -11,6 +11,7 @@ micro-batch is an error: the gradients of the second call would be added after t
 the first (sum the losses and call backward once).
 """
 
+import contextlib
 import enum
 import logging
 import os
@@ -23,6 +24,7 @@ from .accelerator import Accelerator
 from .comm import Communicator
 from .flat import FlatLayout
 from .lr_schedules import build_scheduler
+from .monitor import StepMonitor
 from .optim import build_optimizer, resolve_optimizer
 from .precision import LossScaler
 from .stage3 import ParamGatherer, UsageGuard, choose_units
@@ -119,6 +121,12 @@ class Engine(torch.nn.Module):
         self.skipped_steps = 0
         self._step_applied = False
         self._cast_rest(config.compute_dtype)
+        # ----- observability (engine/monitor.py, engine/memory.py; docs/observability.md) -----
+        self.monitor = StepMonitor(config, comm.rank, self.optimizer.layout.numel, self.device)
+        logs = config.comms_logger
+        if logs.enabled:
+            comm.enable_timing(() if logs.prof_all else logs.prof_ops, logs.verbose)
+        # ----- end observability -----
 
     # ----- construction -------------------------------------------------------------------
     def _fetch_units(self):
@@ -127,7 +135,12 @@ class Engine(torch.nn.Module):
         if zero_cfg.stage != 3:
             return [], None
         threshold = zero_cfg.stage3_module_granularity_threshold or zero_cfg.reduce_bucket_size
-        return choose_units(self.module, threshold, zero_cfg.stage3_module_classes or ())
+        return choose_units(
+            self.module,
+            threshold,
+            zero_cfg.stage3_module_classes or (),
+            zero_cfg.stage3_param_persistence_threshold,
+        )
 
     def _num_shards(self) -> int:
         return 1 if self.config.zero.stage == 0 else self.comm.world_size
@@ -247,9 +260,11 @@ class Engine(torch.nn.Module):
         training = torch.is_grad_enabled() and self.module.training
         if self.phase is Phase.IDLE and training:
             self.phase = Phase.FORWARD
+        timer = self.monitor.timer("forward") if training else contextlib.nullcontext()
         if self.gatherer is None:
-            return self.module(*args, **kwargs)
-        with UsageGuard(self.gatherer):
+            with timer:
+                return self.module(*args, **kwargs)
+        with timer, UsageGuard(self.gatherer):
             output = self.module(*args, **kwargs)
         if not training:
             self.gatherer.release_all()  # no backward follows: release pinned units now
@@ -269,10 +284,12 @@ class Engine(torch.nn.Module):
         self.phase = Phase.BACKWARD
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
         self.optimizer.start_backward(reduce=self.is_gradient_accumulation_boundary())
-        try:
-            (loss * scale).backward(retain_graph=retain_graph)
-        finally:
-            self.optimizer.finish_backward()
+        self.monitor.record_loss(loss)
+        with self.monitor.timer("backward"):
+            try:
+                (loss * scale).backward(retain_graph=retain_graph)
+            finally:
+                self.optimizer.finish_backward()
         return loss
 
     def step(self) -> None:
@@ -290,7 +307,8 @@ class Engine(torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
-            self._step_applied = self.optimizer.step()
+            with self.monitor.timer("step"):
+                self._step_applied = self.optimizer.step()
             if self._step_applied:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
@@ -299,21 +317,9 @@ class Engine(torch.nn.Module):
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
             self.comm.ledger.end_step()
-            self._log_step()
+            self.monitor.on_step(self)
         self.micro_steps += 1
         self.phase = Phase.IDLE
-
-    def _log_step(self) -> None:
-        every = self.config.steps_per_print
-        if every and self.global_steps % every == 0 and self.comm.rank == 0:
-            logger.info(
-                "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%.4g",
-                self.global_steps,
-                self.skipped_steps,
-                self.get_lr(),
-                self.loss_scale,
-                self.get_global_grad_norm() or float("nan"),
-            )
 
     # ----- full weights (stage 3 gathers them) ------------------------------------------
     def _gather_for_state_dict(self, module, prefix, keep_vars) -> None:
@@ -459,10 +465,22 @@ class Engine(torch.nn.Module):
     def comm_stats(self) -> dict:
         """Collective traffic of the last optimizer step on this rank: op -> {calls, elements,
         bytes}; elements in the paper's units (an all-reduce counts twice its size)."""
-        return {op: vars(t).copy() for op, t in self.comm.ledger.last_step.items()}
+        stats = {op: vars(t).copy() for op, t in self.comm.ledger.last_step.items()}
+        if self.comm.timing is None:  # seconds only when comms_logger times collectives
+            for totals in stats.values():
+                totals.pop("seconds")
+        return stats
 
     def model_state_bytes(self) -> dict[str, int]:
         return self.optimizer.model_state_bytes()
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds per model-state category, measured from zero's tensors, next
+        to the formula for the configured stage (engine/memory.py). Not a collective; optimizer
+        state exists only after the first optimizer step."""
+        from .memory import memory_report
+
+        return memory_report(self)
 
 
 def _cpu_adam(params, cls, kwargs):

@@ -42,14 +42,22 @@ class Unit:
     buckets: list = field(default_factory=list)
     state: UnitState = UnitState.SHARDED
     pinned: bool = False  # gathered until the end of backward (used outside its forward)
+    persistent: bool = False  # small parameters: gathered after every step, never released
 
 
-def choose_units(model: torch.nn.Module, threshold: int, class_names=()) -> tuple[list, dict]:
+def choose_units(
+    model: torch.nn.Module, threshold: int, class_names=(), persist_below: int = 0
+) -> tuple[list, dict]:
     """Split `model` into fetch units. Returns (units, unit index by id(param)) for trainable
     non-empty parameters; a parameter shared by several modules belongs to the first unit that
-    reaches it in module order."""
+    reaches it in module order. Parameters with fewer than `persist_below` elements
+    (stage3_param_persistence_threshold) form one persistent unit that stays gathered."""
     units: list[Unit] = []
     unit_of: dict[int, int] = {}
+    small = [p for p in model.parameters() if p.requires_grad and 0 < p.numel() < persist_below]
+    if small:
+        units.append(Unit(0, "<persistent>", model, persistent=True))
+        unit_of.update({id(p): 0 for p in small})
 
     def numel(module):
         return sum(p.numel() for p in module.parameters())
@@ -96,6 +104,9 @@ class ParamGatherer:
                 self._unit_of_param[id(param)] = unit
             _release_bucket(bucket)
         for unit in self.units:
+            if unit.persistent:
+                self.fetch(unit)
+                continue
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
 
@@ -128,7 +139,7 @@ class ParamGatherer:
         unit.state = UnitState.GATHERED
 
     def release(self, unit: Unit, force: bool = False) -> None:
-        if unit.pinned and not force:
+        if unit.persistent or (unit.pinned and not force):
             return
         self.busy = True
         try:
@@ -142,7 +153,7 @@ class ParamGatherer:
     def release_bucket_after_backward(self, bucket) -> None:
         """All gradients of the bucket arrived: its full parameters are no longer needed."""
         unit = self.units[bucket.layout.unit]
-        if not unit.pinned:
+        if not (unit.pinned or unit.persistent):
             self.busy = True
             try:
                 _release_bucket(bucket)
@@ -152,8 +163,22 @@ class ParamGatherer:
                 unit.state = UnitState.SHARDED
 
     def release_all(self) -> None:
+        """Release every unit but the persistent one (end of backward, end of an eval forward)."""
         for unit in self.units:
             self.release(unit, force=True)
+
+    def refresh_persistent(self) -> None:
+        """After an optimizer step: gather the persistent unit's updated values again."""
+        for unit in self.units:
+            if unit.persistent:
+                self.busy = True
+                try:
+                    for bucket in unit.buckets:
+                        _release_bucket(bucket)
+                finally:
+                    self.busy = False
+                unit.state = UnitState.SHARDED
+                self.fetch(unit)
 
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))

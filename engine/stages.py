@@ -468,6 +468,8 @@ class ZeroOptimizer:
             in_flight += numel
         for handle, _ in pending:
             handle.wait()
+        if self.gatherer is not None:
+            self.gatherer.refresh_persistent()
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

@@ -189,8 +189,9 @@ def test_loss_scaler_hysteresis_window_and_minimum():
 
 
 def test_stage3_state_dict_needs_gathering_enabled():
+    partition_all = {"stage": 3, "stage3_param_persistence_threshold": 0}
     engine, _, _, _ = zero.initialize(
-        model=Tiny(), config=base_config(zero_optimization={"stage": 3})
+        model=Tiny(), config=base_config(zero_optimization=partition_all)
     )
     assert engine.module.a.weight.numel() == 0  # partitioned between uses
     with pytest.raises(RuntimeError, match="stage3_gather_16bit_weights_on_model_save"):

@@ -102,6 +102,7 @@ def config(stage, gas, clip, world_size, dtype="fp32", bucket=40, allgather=50, 
             "allgather_bucket_size": allgather,
             "overlap_comm": True,
             "stage3_module_granularity_threshold": unit,  # stage 3: each leaf module a unit
+            "stage3_param_persistence_threshold": 0,  # stage 3: every parameter partitioned
         },
     }
     if dtype == "bf16":
@@ -442,3 +443,23 @@ def test_gathered_parameters_and_16bit_save(tmp_path):
         model.load_state_dict(saved, strict=True)
         assert torch.equal(model.proj.weight[0], torch.full((DIM,), 7.0))
         assert per_rank[1][stage]["path"] is None
+
+
+def stage3_persistence():
+    """stage3_param_persistence_threshold 20: the 7-element biases and norm parameters stay
+    gathered (one all-gather per step after the update); the rest is partitioned."""
+    cfg = config(3, 2, 1.0, 2)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 20
+    data = batches(2, 2, same_modules=True)
+    engine, norms = train_engine(cfg, data)
+    sizes = {n: p.numel() for n, p in engine.module.named_parameters() if p.requires_grad}
+    ref, ref_norms = reference(data, 2, 2, 1.0)
+    return sizes, max_param_diff(engine, ref), norms, ref_norms
+
+
+def test_stage3_persistent_small_parameters():
+    for sizes, diff, norms, ref_norms in run_ranks(stage3_persistence, 2):
+        small = {"proj.bias", "extra.bias", "norm.weight", "norm.bias"}
+        assert {n for n, size in sizes.items() if size > 0} == small, sizes
+        assert diff <= 1e-6
+        assert norms == pytest.approx(ref_norms, rel=1e-6)

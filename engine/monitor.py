@@ -1,0 +1,231 @@
+"""Step log, wall-clock timers, CSV/TensorBoard monitors and the comms ledger report.
+
+The engine calls `timer(name)` around forward, backward and step and `on_step(engine)` once per
+optimizer step (after the comm ledger closed the step). Everything here reads zero's counters;
+nothing here issues a collective.
+
+[Note: throughput]
+samples/s = train_batch_size / (time between two optimizer-step boundaries), so data loading
+counts. tokens/s needs the tokens per sample, which only the caller knows: set
+`engine.monitor.tokens_per_sample = seq_len` once (0 leaves tokens/s and TFLOP/s out).
+Achieved TFLOP/s = 6 * Psi * tokens / seconds / 1e12 for the whole job (dense transformer, 2
+FLOPs per parameter per token forward and 4 backward; attention and recomputation not counted),
+with Psi the trainable parameters this rank lays out (with tensor parallelism, its slice).
+"""
+
+import contextlib
+import csv
+import logging
+import os
+import time
+
+import torch
+
+from .estimator import comm_psi
+
+logger = logging.getLogger("zero")
+
+TIMERS = ("forward", "backward", "step")
+
+
+class Timers:
+    """Accumulated seconds per name over one optimizer step; CUDA-synchronized when `sync`."""
+
+    def __init__(self, sync: bool):
+        self.sync = sync and torch.cuda.is_available()
+        self.seconds = dict.fromkeys(TIMERS, 0.0)
+
+    @contextlib.contextmanager
+    def time(self, name: str):
+        if self.sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(TIMERS, 0.0)
+
+
+class CsvWriter:
+    """csv_monitor: one plain CSV file per event, `step,value` rows, under output_path/job_name."""
+
+    def __init__(self, output_path: str, job_name: str):
+        self.directory = os.path.join(output_path or ".", job_name)
+        os.makedirs(self.directory, exist_ok=True)
+
+    def write(self, events: list[tuple[str, float, int]]) -> None:
+        for name, value, step in events:
+            path = os.path.join(self.directory, name.replace("/", "_") + ".csv")
+            new = not os.path.exists(path)
+            with open(path, "a", newline="") as f:
+                writer = csv.writer(f)
+                if new:
+                    writer.writerow(["step", name])
+                writer.writerow([step, value])
+
+
+class TensorBoardWriter:
+    """tensorboard: torch.utils.tensorboard.SummaryWriter under output_path/job_name."""
+
+    def __init__(self, output_path: str, job_name: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ImportError(
+                "config tensorboard.enabled needs the 'tensorboard' package: pip install "
+                "tensorboard (or set tensorboard.enabled to false)"
+            ) from None
+        self.writer = SummaryWriter(log_dir=os.path.join(output_path or ".", job_name))
+
+    def write(self, events: list[tuple[str, float, int]]) -> None:
+        for name, value, step in events:
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes in use by this rank: CUDA allocated memory, else the process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def comms_report(ledger_step: dict, psi: int, stage: int, gas: int, rank: int) -> tuple[str, bool]:
+    """The comms ledger of one optimizer step as text, and whether the total deviates from the
+    paper's expectation (estimator.comm_psi) by more than 1%. `ledger_step`: op -> OpTotals."""
+    lines = [f"comms rank {rank}: {'op':<16}{'calls':>7}{'elements':>14}{'bytes':>15}{'ms':>10}"]
+    total = 0
+    for op, t in sorted(ledger_step.items()):
+        total += t.elements
+        lines.append(
+            f"comms rank {rank}: {op:<16}{t.calls:>7}{t.elements:>14,}{t.bytes:>15,}"
+            f"{t.seconds * 1e3:>10.2f}"
+        )
+    expected = comm_psi(stage, gas)
+    measured = total / psi if psi else 0.0
+    deviates = abs(measured - expected) > 0.01 * expected
+    flag = "  DEVIATION > 1%" if deviates else ""
+    lines.append(
+        f"comms rank {rank}: total {measured:.4f} Psi (Psi={psi:,}); expected {expected:g} Psi "
+        f"(stage {stage}, gradient accumulation {gas}){flag}"
+    )
+    return "\n".join(lines), deviates
+
+
+class StepMonitor:
+    """Step log every steps_per_print, monitor events (rank 0), comms and memory reports."""
+
+    def __init__(self, config, rank: int, psi: int, device: torch.device):
+        self.config = config
+        self.rank = rank
+        self.psi = psi
+        self.device = device
+        self.tokens_per_sample = 0  # set by the caller (see [Note: throughput])
+        self.timers = Timers(sync=config.wall_clock_breakdown)
+        self.writers = []
+        if rank == 0:
+            if config.csv_monitor.enabled:
+                self.writers.append(
+                    CsvWriter(config.csv_monitor.output_path, config.csv_monitor.job_name)
+                )
+            if config.tensorboard.enabled:
+                self.writers.append(
+                    TensorBoardWriter(config.tensorboard.output_path, config.tensorboard.job_name)
+                )
+        self._losses: list[torch.Tensor] = []
+        self._last_boundary = time.perf_counter()
+        self._memory_reported = False
+        self.last = {}  # the figures of the last optimizer step, for tests and callers
+
+    def timer(self, name: str):
+        return self.timers.time(name)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        self._losses.append(loss.detach())
+
+    def throughput(self, seconds: float) -> dict:
+        samples = self.config.train_batch_size
+        figures = {"seconds": seconds, "samples_per_s": samples / seconds if seconds else 0.0}
+        if self.tokens_per_sample:
+            tokens = samples * self.tokens_per_sample
+            figures["tokens_per_s"] = tokens / seconds if seconds else 0.0
+            figures["tflops"] = 6 * self.psi * figures["tokens_per_s"] / 1e12
+        return figures
+
+    def on_step(self, engine) -> None:
+        """Called by engine.step() at every optimizer step, after the comm ledger closed it."""
+        now = time.perf_counter()
+        figures = self.throughput(now - self._last_boundary)
+        self._last_boundary = now
+        loss = float(torch.stack(self._losses).float().mean()) if self._losses else None
+        self._losses = []
+        figures.update(
+            step=engine.global_steps,
+            loss=loss,
+            lr=engine.get_lr()[0] if engine.get_lr() else None,
+            loss_scale=engine.loss_scale,
+            grad_norm=engine.get_global_grad_norm(),
+            skipped=engine.skipped_steps,
+            memory=memory_in_use(self.device),
+            timers=dict(self.timers.seconds),
+        )
+        self.last = figures
+        self.timers.reset()
+        self._write_events(figures, engine.global_samples)
+        every = self.config.steps_per_print
+        if every and engine.global_steps % every == 0 and self.rank == 0:
+            logger.info(self.format_step(figures))
+        if self.config.comms_logger.enabled and engine.world_size > 1:
+            text, _ = comms_report(
+                engine.comm.ledger.last_step,
+                self.psi,
+                self.config.zero.stage,
+                self.config.gradient_accumulation_steps,
+                self.rank,
+            )
+            logger.info(text)
+        if self.config.memory_breakdown and not self._memory_reported:
+            from .memory import format_report
+
+            self._memory_reported = True
+            logger.info(format_report(engine.memory_report()))
+
+    def format_step(self, f: dict) -> str:
+        parts = [f"step={f['step']}"]
+        if f["loss"] is not None:
+            parts.append(f"loss={f['loss']:.4f}")
+        parts += [f"lr={f['lr']:.3e}" if f["lr"] is not None else "lr=n/a"]
+        parts += [f"loss_scale={f['loss_scale']:g}", f"skipped={f['skipped']}"]
+        norm = f["grad_norm"]
+        parts.append(f"grad_norm={norm:.4g}" if norm is not None else "grad_norm=n/a")
+        parts.append(f"samples/s={f['samples_per_s']:.2f}")
+        if "tokens_per_s" in f:
+            parts += [f"tokens/s={f['tokens_per_s']:,.0f}", f"TFLOP/s={f['tflops']:.3f}"]
+        if self.config.wall_clock_breakdown:
+            parts += [f"{k}_ms={v * 1e3:.1f}" for k, v in f["timers"].items()]
+        parts.append(f"mem_MiB={f['memory'] / 2**20:.1f}")
+        return " ".join(parts)
+
+    def _write_events(self, f: dict, samples: int) -> None:
+        if not self.writers:
+            return
+        events = [
+            ("Train/Samples/lr", f["lr"], samples),
+            ("Train/Samples/loss_scale", f["loss_scale"], samples),
+            ("Train/Samples/samples_per_s", f["samples_per_s"], samples),
+        ]
+        if f["loss"] is not None:
+            events.append(("Train/Samples/train_loss", f["loss"], samples))
+        if f["grad_norm"] is not None:
+            events.append(("Train/Samples/grad_norm", f["grad_norm"], samples))
+        if "tokens_per_s" in f:
+            events.append(("Train/Samples/tokens_per_s", f["tokens_per_s"], samples))
+        for writer in self.writers:
+            writer.write([e for e in events if e[1] is not None])
