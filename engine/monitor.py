@@ -164,7 +164,11 @@ class StepMonitor:
         now = time.perf_counter()
         figures = self.throughput(now - self._last_boundary)
         self._last_boundary = now
-        loss = float(torch.stack(self._losses).float().mean()) if self._losses else None
+        every = self.config.steps_per_print
+        printing = bool(every) and engine.global_steps % every == 0 and self.rank == 0
+        # Reading the loss waits for the device: only on steps that print or write events.
+        wanted = self._losses and (printing or self.writers)
+        loss = float(torch.stack(self._losses).float().mean()) if wanted else None
         self._losses = []
         figures.update(
             step=engine.global_steps,
@@ -179,8 +183,7 @@ class StepMonitor:
         self.last = figures
         self.timers.reset()
         self._write_events(figures, engine.global_samples)
-        every = self.config.steps_per_print
-        if every and engine.global_steps % every == 0 and self.rank == 0:
+        if printing:
             logger.info(self.format_step(figures))
         if self.config.comms_logger.enabled and engine.world_size > 1:
             text, _ = comms_report(

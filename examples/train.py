@@ -86,6 +86,7 @@ def main() -> None:
     model = GPT(model_config, mpu)
     num_params = model.num_parameters()  # before initialize: stage 3 may shard the parameters
     engine, _, _, _ = zero.initialize(args=args, model=model, config=args.config, mpu=mpu)
+    engine.monitor.tokens_per_sample = args.block_size  # engine step log: tokens/s and TFLOP/s
     if "activation_checkpointing" in engine.config.model_fields_set:
         model_config.activation_checkpointing = True  # the config's block asks for it
 
