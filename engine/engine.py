@@ -102,7 +102,13 @@ class Engine(torch.nn.Module):
         )
         self.gatherer = None
         if config.zero.stage == 3:
-            self.gatherer = ParamGatherer(units, comm, config.compute_dtype)
+            self.gatherer = ParamGatherer(
+                units,
+                comm,
+                config.compute_dtype,
+                prefetch_numel=config.zero.stage3_prefetch_bucket_size,
+                max_live_numel=config.zero.stage3_max_live_parameters,
+            )
             self.gatherer.attach(self.optimizer.buckets)
             self.optimizer.gatherer = self.gatherer
             # torch tags these hooks with attributes, which bound methods cannot take

@@ -20,6 +20,7 @@ same modules in the same order, so every rank issues the same all-gathers in the
 a rank that skips a module another rank runs makes the collectives differ (see docs/stages.md).
 """
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather in flight (prefetch)
     GATHERED = "gathered"
 
 
@@ -84,25 +86,50 @@ def choose_units(
 
 
 class ParamGatherer:
-    """Gathers and releases units' parameters; installs the module hooks. Collective: every
-    gather is an all-gather all ranks issue in the same order."""
+    """Gathers and releases units' parameters, prefetches, installs the module hooks.
 
-    def __init__(self, units: list[Unit], comm, compute_dtype: torch.dtype):
+    [Note: prefetch]
+    The order in which units run forward is recorded during each step and used in the next: when
+    a unit is fetched, the units that followed it last time (preceded it, in backward) are
+    all-gathered asynchronously, up to `prefetch_numel` elements ahead
+    (stage3_prefetch_bucket_size) and never above `max_live_numel` gathered elements
+    (stage3_max_live_parameters). A step that runs units in another order stops prefetching at
+    the first surprise and is recorded as the new order. Every rank records the same order, so
+    prefetch all-gathers are issued in the same order everywhere. Collective throughout.
+    """
+
+    def __init__(self, units, comm, compute_dtype, prefetch_numel=0, max_live_numel=None):
         self.units = units
         self.comm = comm
         self.compute_dtype = compute_dtype
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.prefetch_hits = 0  # fetches that found their unit already being gathered
+        self.busy = False  # inside our own ops: UsageGuard must not react to them
         self._unit_of_param: dict[int, Unit] = {}
         self._hooks = []
-        self.busy = False  # inside fetch/release: UsageGuard must not react to our own ops
+        self._order: list[int] = []  # unit indices in forward order, from the last step
+        self._trace: list[int] = []  # this step's forward order
+        self._cursor = {"forward": 0, "backward": 0}
+
+    @contextlib.contextmanager
+    def _own_ops(self):
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
 
     def attach(self, buckets) -> None:
-        """Bind each bucket to its unit (bucket.layout.unit) and release every parameter."""
+        """Bind each bucket to its unit (bucket.layout.unit), release every parameter, gather the
+        persistent unit and hook the others' modules."""
         for bucket in buckets:
             unit = self.units[bucket.layout.unit]
             unit.buckets.append(bucket)
             for param in bucket.params:
                 self._unit_of_param[id(param)] = unit
-            _release_bucket(bucket)
+            with self._own_ops():
+                _release_bucket(bucket)
         for unit in self.units:
             if unit.persistent:
                 self.fetch(unit)
@@ -112,7 +139,8 @@ class ParamGatherer:
 
     def _pre_forward(self, unit: Unit):
         def hook(module, args):
-            self.fetch(unit)
+            self._trace.append(unit.index)
+            self.fetch(unit, "forward")
 
         return hook
 
@@ -121,32 +149,63 @@ class ParamGatherer:
             outputs = [t for t in _tensors(output) if t.requires_grad]
             if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads: self.fetch(unit), mode="any"
+                    outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
             self.release(unit)
 
         return hook
 
-    def fetch(self, unit: Unit) -> None:
-        if unit.state is UnitState.GATHERED:
-            return
-        self.busy = True
-        try:
+    def fetch(self, unit: Unit, direction: str | None = None) -> None:
+        """Make `unit` GATHERED (waiting for a prefetch in flight), then prefetch what followed it
+        last time in `direction` ("forward" or "backward"; None: no prefetch)."""
+        if unit.state is UnitState.SHARDED:
+            self._start_gather(unit)
+        elif unit.state is UnitState.GATHERING:
+            self.prefetch_hits += 1
+        if unit.state is UnitState.GATHERING:
+            with self._own_ops():
+                for bucket in unit.buckets:
+                    _finish_gather_bucket(bucket)
+            unit.state = UnitState.GATHERED
+        if direction is not None and self.prefetch_numel > 0:
+            self._prefetch_after(unit, direction)
+
+    def _start_gather(self, unit: Unit) -> None:
+        with self._own_ops():
             for bucket in unit.buckets:
-                _gather_bucket(bucket, self.comm, self.compute_dtype)
-        finally:
-            self.busy = False
-        unit.state = UnitState.GATHERED
+                _start_gather_bucket(bucket, self.comm, self.compute_dtype)
+        unit.state = UnitState.GATHERING
+
+    def _prefetch_after(self, unit: Unit, direction: str) -> None:
+        order = self._order if direction == "forward" else self._order[::-1]
+        cursor = self._cursor[direction]
+        try:
+            position = order.index(unit.index, cursor)
+        except ValueError:
+            self._cursor[direction] = len(order)  # the order changed: no more guesses this step
+            return
+        self._cursor[direction] = position + 1
+        budget = self.prefetch_numel
+        for index in order[position + 1 :]:
+            upcoming = self.units[index]
+            if upcoming.state is not UnitState.SHARDED:
+                continue
+            size = _unit_numel(upcoming)
+            live = sum(_unit_numel(u) for u in self.units if u.state is not UnitState.SHARDED)
+            too_many = self.max_live_numel is not None and live + size > self.max_live_numel
+            if size > budget or too_many:
+                return
+            self._start_gather(upcoming)
+            budget -= size
 
     def release(self, unit: Unit, force: bool = False) -> None:
         if unit.persistent or (unit.pinned and not force):
             return
-        self.busy = True
-        try:
+        if unit.state is UnitState.GATHERING:
+            self.fetch(unit)  # a prefetch in flight must land before its buffer is freed
+        with self._own_ops():
             for bucket in unit.buckets:
                 _release_bucket(bucket)
-        finally:
-            self.busy = False
         unit.state = UnitState.SHARDED
         unit.pinned = False
 
@@ -154,34 +213,36 @@ class ParamGatherer:
         """All gradients of the bucket arrived: its full parameters are no longer needed."""
         unit = self.units[bucket.layout.unit]
         if not (unit.pinned or unit.persistent):
-            self.busy = True
-            try:
+            with self._own_ops():
                 _release_bucket(bucket)
-            finally:
-                self.busy = False
             if all(b.param_buffer is None for b in unit.buckets):
                 unit.state = UnitState.SHARDED
 
     def release_all(self) -> None:
-        """Release every unit but the persistent one (end of backward, end of an eval forward)."""
+        """End of backward, or of a forward without backward: release every unit but the
+        persistent one, and keep this step's forward order for the next step's prefetch."""
         for unit in self.units:
             self.release(unit, force=True)
+        if self._trace:
+            self._order, self._trace = self._trace, []
+        self._cursor = {"forward": 0, "backward": 0}
 
     def refresh_persistent(self) -> None:
         """After an optimizer step: gather the persistent unit's updated values again."""
         for unit in self.units:
             if unit.persistent:
-                self.busy = True
-                try:
+                with self._own_ops():
                     for bucket in unit.buckets:
                         _release_bucket(bucket)
-                finally:
-                    self.busy = False
                 unit.state = UnitState.SHARDED
                 self.fetch(unit)
 
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))
+
+
+def _unit_numel(unit: Unit) -> int:
+    return sum(b.layout.padded_numel for b in unit.buckets)
 
 
 class UsageGuard(TorchFunctionMode):
@@ -205,15 +266,18 @@ class UsageGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _gather_bucket(bucket, comm, dtype) -> None:
-    if bucket.param_buffer is not None:
-        return
+def _start_gather_bucket(bucket, comm, dtype) -> None:
     layout = bucket.layout
     buffer = torch.empty(layout.padded_numel, dtype=dtype, device=bucket.param_shard.device)
-    comm.all_gather(buffer, bucket.param_shard)
+    bucket.pending = comm.all_gather(buffer, bucket.param_shard, async_op=True)
     bucket.param_buffer = buffer
-    for slot, param in zip(layout.slots, bucket.params):
-        param.data = buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+
+def _finish_gather_bucket(bucket) -> None:
+    bucket.pending.wait()
+    bucket.pending = None
+    for slot, param in zip(bucket.layout.slots, bucket.params):
+        param.data = bucket.param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
 
 def _release_bucket(bucket) -> None:

@@ -98,6 +98,7 @@ class Bucket:
         self.staging = None
         self.recv = None
         self.handle = Handle()
+        self.pending = None  # stage 3: the all-gather of param_buffer in flight (prefetch)
         self.state = BucketState.FILLING
         self.arrived = [False] * len(params)
         self.num_arrived = 0

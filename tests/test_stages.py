@@ -463,3 +463,25 @@ def test_stage3_persistent_small_parameters():
         assert {n for n, size in sizes.items() if size > 0} == small, sizes
         assert diff <= 1e-6
         assert norms == pytest.approx(ref_norms, rel=1e-6)
+
+
+def stage3_prefetch(prefetch):
+    """Steps 2 and 3 prefetch the units recorded in step 1; results equal no prefetch."""
+    cfg = config(3, 1, 1.0, 2)
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch
+    data = batches(2, 1, same_modules=True)
+    engine, norms = train_engine(cfg, data)
+    ref, _ = reference(data, 2, 1, 1.0)
+    return engine.gatherer.prefetch_hits, max_param_diff(engine, ref), norms
+
+
+def sweep_prefetch():
+    return {size: stage3_prefetch(size) for size in (0, 60, 10**6)}
+
+
+def test_stage3_prefetch():
+    results = run_ranks(sweep_prefetch, 2)[0]
+    assert results[0][0] == 0 and results[60][0] > 0 and results[10**6][0] > 0
+    for _, diff, norms in results.values():
+        assert diff <= 1e-6
+        assert norms == results[0][2]  # prefetching changes nothing numerically
