@@ -1,28 +1,11 @@
 """engine.memory_report(): measured bytes per category equal zero's formula, stages 0-3, fp32 and
 bf16 (single process: N = 1), and the table printed once with memory_breakdown."""
 
-import logging
-
 import pytest
 import torch
 
 import zero
 from zero.memory import ModelStateSpec, formula_text, model_state_formula
-
-
-@pytest.fixture
-def zero_log():
-    """Messages of the "zero" logger (it does not propagate to pytest's caplog)."""
-    messages = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("zero")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield messages
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def _engine(stage, dtype, **extra):

@@ -2,7 +2,6 @@
 
 import csv
 import importlib.util
-import logging
 
 import pytest
 import torch
@@ -10,21 +9,6 @@ import torch
 import zero
 from zero.comm import OpTotals
 from zero.monitor import comms_report
-
-
-@pytest.fixture
-def zero_log():
-    """Messages of the "zero" logger (it does not propagate to pytest's caplog)."""
-    messages = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("zero")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield messages
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def _engine(**extra):
