@@ -156,6 +156,9 @@ def main() -> None:
         engine,
         f"final: train_loss={train_loss:.4f} val_loss={val_loss:.4f} unigram_entropy={nats:.4f}",
     )
+    if dist.is_initialized():
+        dist.barrier()  # no rank closes its sockets while a peer still talks to it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

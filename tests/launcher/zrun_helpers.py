@@ -32,6 +32,7 @@ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR"):
     record[key] = os.environ[key]
 with open(os.path.join(OUT, f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump(record, f)
+dist.barrier()  # no rank closes its sockets while a peer still talks to it
 dist.destroy_process_group()
 """
 # Rank 1 fails with code 7 while rank 0 waits: the job must end with 7 and leave nothing behind.
@@ -65,6 +66,7 @@ record["params"] = [p.tolist() for p in engine.module.parameters()]
 record["master"] = [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]
 with open(os.path.join(OUT, f"rank{launch.rank}.json"), "w") as f:
     json.dump(record, f)
+dist.barrier()  # no rank closes its sockets while a peer still talks to it
 dist.destroy_process_group()
 """
 
