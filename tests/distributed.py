@@ -29,18 +29,21 @@ def _child(fn, rank, world_size, port, args, queue):
         MASTER_PORT=str(port),
     )
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
+    ok = False
     try:
         # Plain pickle copies tensors; the queue's own reducer would share them by file
         # descriptor, which dies with this process.
         queue.put((rank, True, pickle.dumps(fn(*args))))
+        ok = True
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
+            if ok:
+                dist.barrier()  # no rank closes its sockets while a peer still talks to it
             dist.destroy_process_group()
 
 
