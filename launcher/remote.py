@@ -11,7 +11,7 @@ import os
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .runner import JobSpec, Launch, job_flags
 from .world import NodeSpec, WorldLayout, format_nodes
@@ -155,6 +155,10 @@ def check_ssh_reachable(hosts: list[str], options: RemoteOptions) -> None:
     Raises:
         ValueError: naming each host that failed, with ssh's own message.
     """
+    if options.launcher == "pdsh":
+        # pdsh's words are pdsh flags; the ssh options pdsh uses come from PDSH_SSH_ARGS_APPEND.
+        extra = tuple(shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", "")))
+        options = replace(options, launcher="ssh", launcher_args=extra)
     checks = {}
     for host in dict.fromkeys(hosts):
         command = ssh_command(host, "true", options)

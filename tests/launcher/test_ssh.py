@@ -154,3 +154,22 @@ def test_killed_zrun_leaves_nothing_on_any_node(loopback_sshd, tmp_path):
     proc.kill()
     proc.communicate(timeout=30)
     assert_nothing_left(str(tmp_path), timeout_s=30.0)
+
+
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="pdsh is not installed")
+def test_two_node_all_reduce_through_pdsh(loopback_sshd, tmp_path):
+    script = write_script(tmp_path, ALL_REDUCE)
+    hostfile = write(tmp_path, "hosts", TWO_HOSTS)
+    command = [*zrun_command(), "--hostfile", hostfile, "--force_multi", "--launcher", "pdsh"]
+    command += ["--ssh_port", str(loopback_sshd.port), "--master_port", str(find_free_port())]
+    command += [script]
+    env = {**os.environ, "HOME": str(tmp_path)}
+    env["PDSH_SSH_ARGS_APPEND"] = f"-F {loopback_sshd.ssh_config}"  # the throwaway key
+    result = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=80, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["sum"] == 3.0 and record["NODE_RANK"] == str(rank)
+    assert_nothing_left(str(tmp_path))
