@@ -29,7 +29,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from gpt import GPT, GPTConfig  # noqa: E402
+from zero_vs_ddp import free_port, init_rank  # noqa: E402
 
 import zero  # noqa: E402
 from zero.checkpoint import consolidate, save_consolidated  # noqa: E402
@@ -69,12 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     return parser.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def filesystem(path: str) -> str:
@@ -315,20 +309,10 @@ def run_rank(args, root: str, rank: int) -> dict:
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
-    n = args.world_size
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(n),
-        LOCAL_WORLD_SIZE=str(n),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(max(1, psutil.cpu_count() // n))
-    dist.init_process_group("gloo", rank=rank, world_size=n)
+    init_rank(rank, args.world_size, port)
     try:
         result = run_rank(args, root, rank)
-        gathered = [None] * n
+        gathered = [None] * args.world_size
         dist.all_gather_object(gathered, result)
         if rank == 0:
             with open(os.path.join(root, "results.json"), "w") as handle:

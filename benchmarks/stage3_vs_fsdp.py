@@ -26,7 +26,6 @@ script, not a test: nothing asserts on time.
 import argparse
 import gc
 import inspect
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -42,6 +41,7 @@ from zero_vs_ddp import (  # noqa: E402
     available_cores,
     build_model,
     free_port,
+    init_rank,
     make_batches,
     time_interleaved,
     zero_config,
@@ -136,18 +136,7 @@ def build_fsdp2(args, hyper: dict):
 
 
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    n = args.world_size
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(n),
-        LOCAL_WORLD_SIZE=str(n),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    threads = max(1, available_cores() // n)
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=n)
+    init_rank(rank, args.world_size, port)
     try:
         psi = sum(p.numel() for p in build_model(args).parameters() if p.requires_grad)
         engine3, step3 = build_zero(args, 3)
@@ -170,7 +159,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             step_fns.pop("fsdp2")
             ms = time_interleaved(step_fns, batches, args.warmup)
         if rank == 0:
-            report(args, engine3, psi, ms, fsdp_error, fsdp_state, threads)
+            report(args, engine3, psi, ms, fsdp_error, fsdp_state, torch.get_num_threads())
         del engine2, step_fns
         gc.collect()
     finally:

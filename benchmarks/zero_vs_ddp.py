@@ -102,6 +102,20 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def init_rank(rank: int, world_size: int, port: int) -> None:
+    """A spawned benchmark rank: torchrun's variables, an equal share of the cores, gloo."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(max(1, available_cores() // world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -314,18 +328,7 @@ def print_report(args, rows, ddp_ms, steps, threads) -> None:
 
 # ----- per rank ---------------------------------------------------------------------------------
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    n = args.world_size
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(n),
-        LOCAL_WORLD_SIZE=str(n),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    threads = max(1, available_cores() // n)
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=n)
+    init_rank(rank, args.world_size, port)
     try:
         steps = {}
         for dtype in args.dtypes.split(","):
@@ -342,7 +345,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             )
             rows += dtype_rows
         if rank == 0:
-            print_report(args, rows, ddp_ms, steps, threads)
+            print_report(args, rows, ddp_ms, steps, torch.get_num_threads())
     finally:
         dist.destroy_process_group()
 
