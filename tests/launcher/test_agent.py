@@ -5,7 +5,13 @@ import json
 import signal
 
 import pytest
-from zrun_helpers import GRANDCHILD, assert_nothing_left, start_zrun, wait_for_files, write_script
+from zrun_helpers import (
+    SLEEPING_RANK,
+    assert_nothing_left,
+    start_zrun,
+    wait_for_files,
+    write_script,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,14 +41,7 @@ def test_two_local_nodes_rendezvous(tmp_path):
 
 
 def test_agent_ends_the_job_when_zrun_is_killed(tmp_path):
-    script = write_script(
-        tmp_path,
-        f"""
-        {GRANDCHILD}
-        open(os.path.join(OUT, "ready" + os.environ["RANK"]), "w").close()
-        time.sleep(120)
-        """,
-    )
+    script = write_script(tmp_path, SLEEPING_RANK)
     proc = start_zrun(tmp_path, "localhost slots=2\n", script)
     wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
     proc.send_signal(signal.SIGKILL)

@@ -9,6 +9,7 @@ import time
 import pytest
 from zrun_helpers import (
     GRANDCHILD,
+    SLEEPING_RANK,
     assert_nothing_left,
     job_processes,
     start_zrun,
@@ -85,14 +86,7 @@ def test_failed_rank_ends_the_job_with_its_exit_code(tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_zrun_ends_every_rank(tmp_path, signum):
-    script = write_script(
-        tmp_path,
-        f"""
-        {GRANDCHILD}
-        open(os.path.join(OUT, "ready" + os.environ["RANK"]), "w").close()
-        time.sleep(120)
-        """,
-    )
+    script = write_script(tmp_path, SLEEPING_RANK)
     proc = start_zrun(tmp_path, "localhost slots=2\n", script)
     wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
     assert len(job_processes(str(tmp_path))) >= 4  # two ranks, two grandchildren

@@ -19,6 +19,13 @@ from zero.launcher.world import find_free_port
 # A rank script may start a grandchild that sleeps; it carries the marker in its argv.
 GRANDCHILD = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', MARKER])"
 
+# A rank that starts a grandchild, reports it is ready in OUT/ready<RANK>, then sleeps.
+SLEEPING_RANK = f"""
+{GRANDCHILD}
+open(os.path.join(OUT, "ready" + os.environ["RANK"]), "w").close()
+time.sleep(120)
+"""
+
 # A rank started by zrun: a gloo all-reduce of rank + 1, then what it saw, in OUT/rank<R>.json.
 ALL_REDUCE = """
 import torch
