@@ -182,12 +182,16 @@ class ZeroOptimizer:
         shard = self.layout.shard_of(self.comm.rank)
         buckets = []
         for group in range(self.layout.num_groups):
-            flat = torch.zeros(
-                self.layout.group_numel[group], dtype=self.compute_dtype, device=device
-            )
+            # Stage 3 keeps no full parameter buffer: each bucket gets a temporary one, dropped
+            # once its owned slice is copied out (_init_bucket_state).
+            numel = 0 if self.settings.stage == 3 else self.layout.group_numel[group]
+            flat = torch.zeros(numel, dtype=self.compute_dtype, device=device)
             for bl in self.layout.group_buckets(group):
                 params = [params_by_name[s.name] for s in bl.slots]
-                view = flat[bl.start : bl.start + bl.padded_numel]
+                if self.settings.stage == 3:
+                    view = torch.empty(bl.padded_numel, dtype=self.compute_dtype, device=device)
+                else:
+                    view = flat[bl.start : bl.start + bl.padded_numel]
                 bucket = Bucket(bl, params, view, shard, self.settings.stage)
                 self._init_bucket_state(bucket)
                 buckets.append(bucket)
@@ -199,7 +203,8 @@ class ZeroOptimizer:
         full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         for slot, param in zip(layout.slots, bucket.params):
             full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-        bucket.param_buffer.copy_(full)
+        if self.settings.stage != 3:
+            bucket.param_buffer.copy_(full)
         begin, end = layout.owned_range(self.layout.shard_of(self.comm.rank))
         if self.settings.stage == 3:
             # Only the owned slice persists; the parameters are released by the gatherer.
