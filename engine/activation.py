@@ -36,6 +36,7 @@ autograd graph (no such restrictions).
 """
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field, fields
 
@@ -100,6 +101,11 @@ class _Runtime:
         self.configured = False
         self.arena: ContiguousBuffer | None = None
         self.stats = CheckpointStats()
+        # A checkpoint can be released from another thread: a collective launched inside a
+        # non-reentrant region captures the thread's saved-tensor hooks (which own the region),
+        # and the collective library frees that capture on its own thread. Stats and the
+        # contiguous buffer change under this lock.
+        self.lock = threading.RLock()
         # Bumped by configure() and reset(): checkpoints of an older generation no longer count.
         self.generation = 0
 
@@ -150,13 +156,15 @@ def configure(
             "number_checkpoints (the number of checkpointed layers per forward, e.g. n_layer); "
             f"got {settings.number_checkpoints!r}"
         )
-    _RUNTIME.settings = settings
-    _RUNTIME.mpu = mpu_
-    _RUNTIME.comm = model_parallel_comm(mpu_)
-    _RUNTIME.arena = None
-    _RUNTIME.stats = CheckpointStats()
-    _RUNTIME.generation += 1
-    _RUNTIME.configured = True
+    comm = model_parallel_comm(mpu_)
+    with _RUNTIME.lock:
+        _RUNTIME.settings = settings
+        _RUNTIME.mpu = mpu_
+        _RUNTIME.comm = comm
+        _RUNTIME.arena = None
+        _RUNTIME.stats = CheckpointStats()
+        _RUNTIME.generation += 1
+        _RUNTIME.configured = True
 
 
 def _settings_from(source) -> CheckpointSettings:
@@ -194,21 +202,24 @@ def settings() -> CheckpointSettings:
 def reset() -> None:
     """Rewind the contiguous buffer and forget live checkpoints (between steps; DeepSpeed's
     checkpointing.reset). Checkpoints of a forward whose backward has not run become invalid."""
-    if _RUNTIME.arena is not None:
-        _RUNTIME.arena.rewind()
-    _RUNTIME.generation += 1
-    stats = _RUNTIME.stats
-    stats.device_bytes = stats.host_bytes = stats.live_checkpoints = 0
+    with _RUNTIME.lock:
+        if _RUNTIME.arena is not None:
+            _RUNTIME.arena.rewind()
+        _RUNTIME.generation += 1
+        stats = _RUNTIME.stats
+        stats.device_bytes = stats.host_bytes = stats.live_checkpoints = 0
 
 
 def memory_stats() -> dict:
     """CheckpointStats as a dict (bytes and seconds; see CheckpointStats)."""
-    return dict(vars(_RUNTIME.stats))
+    with _RUNTIME.lock:
+        return dict(vars(_RUNTIME.stats))
 
 
 def reset_peak_stats() -> None:
-    stats = _RUNTIME.stats
-    stats.peak_device_bytes, stats.peak_host_bytes = stats.device_bytes, stats.host_bytes
+    with _RUNTIME.lock:
+        stats = _RUNTIME.stats
+        stats.peak_device_bytes, stats.peak_host_bytes = stats.device_bytes, stats.host_bytes
 
 
 # ----- RNG ------------------------------------------------------------------------------------
@@ -433,19 +444,22 @@ class _KeptInputs:
         copy = partition or self.settings.cpu_checkpointing
         copy = copy or self.settings.contiguous_memory_optimization
         tensors = [a for a in args if _is_activation(a)]
-        if copy and tensors:
-            self.arena = self._open_arena(tensors, partition)
-        for arg in args:
-            if not _is_activation(arg):
-                self.items.append(arg)
-            elif copy:
-                self.items.append(self._keep_copy(arg, partition))
-            else:
-                kept = _Kept(arg.detach(), arg.shape, arg.device, arg.requires_grad, False, False)
-                self.items.append(kept)
-        for item in self._kept():
-            _RUNTIME.stats.add(item.nbytes, item.host, +1)
-        _RUNTIME.stats.live_checkpoints += 1
+        with _RUNTIME.lock:
+            if copy and tensors:
+                self.arena = self._open_arena(tensors, partition)
+            for arg in args:
+                if not _is_activation(arg):
+                    self.items.append(arg)
+                elif copy:
+                    self.items.append(self._keep_copy(arg, partition))
+                else:
+                    kept = _Kept(
+                        arg.detach(), arg.shape, arg.device, arg.requires_grad, False, False
+                    )
+                    self.items.append(kept)
+            for item in self._kept():
+                _RUNTIME.stats.add(item.nbytes, item.host, +1)
+            _RUNTIME.stats.live_checkpoints += 1
 
     def _kept(self):
         return [item for item in self.items if isinstance(item, _Kept)]
@@ -522,17 +536,17 @@ class _KeptInputs:
 
     def release(self) -> None:
         """Give the kept bytes (and contiguous space) back. Idempotent."""
-        if self.released:
-            return
-        self.released = True
-        current = self.generation == _RUNTIME.generation
-        if current:
-            for item in self._kept():
-                _RUNTIME.stats.add(item.nbytes, item.host, -1)
-            _RUNTIME.stats.live_checkpoints -= 1
-            if self.arena is not None:
-                self.arena.close()
-        self.items = []
+        with _RUNTIME.lock:
+            if self.released:
+                return
+            self.released = True
+            if self.generation == _RUNTIME.generation:
+                for item in self._kept():
+                    _RUNTIME.stats.add(item.nbytes, item.host, -1)
+                _RUNTIME.stats.live_checkpoints -= 1
+                if self.arena is not None:
+                    self.arena.close()
+            self.items = []
 
     def __del__(self):
         # A graph freed without backward (evaluation with grad on, an exception) still returns

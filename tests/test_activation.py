@@ -6,6 +6,7 @@ One 2-rank group is spawned; model-parallel sizes 1 and 2 and every option are s
 """
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -117,6 +118,18 @@ def summarize(result, reference):
     }
 
 
+def _settled_stats() -> dict:
+    """memory_stats() once no checkpoint is live, or after 30 s. A region that ran a collective
+    is released when the collective library frees its copy of the thread's saved-tensor hooks,
+    on the library's thread, shortly after the graph itself is dropped."""
+    from zero import checkpointing
+
+    deadline = time.monotonic() + 30
+    while checkpointing.memory_stats()["live_checkpoints"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return checkpointing.memory_stats()
+
+
 def edge_cases(mpu):
     """Evaluation keeps nothing; a too-small contiguous buffer says so; reset() recovers."""
     from zero import checkpointing
@@ -145,7 +158,7 @@ def edge_cases(mpu):
     loss.backward()
     out["after_reset"] = checkpointing.memory_stats()
     model(*batch(2), mode="non_reentrant")  # graph dropped at once: its bytes come back
-    out["after_dropped_graph"] = checkpointing.memory_stats()
+    out["after_dropped_graph"] = _settled_stats()
     # non-reentrant: torch.autograd.grad works and inputs need not require grad
     x = torch.randn(BATCH, SEQ, DIM)
     ref = torch.autograd.grad(model.blocks[0](x).sum(), model.blocks[0].fc.weight)[0]
