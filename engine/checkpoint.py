@@ -97,7 +97,9 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     engine.comm.barrier()
-    _on_every_rank(engine, f"write {tmp}", lambda: _write_files(engine, tmp))
+    # Stage 3 partitions frozen parameters too: rank 0 gathers them for module.safetensors.
+    frozen = engine.frozen.full_values() if engine.frozen is not None else {}
+    _on_every_rank(engine, f"write {tmp}", lambda: _write_files(engine, tmp, frozen))
     if engine.comm.rank == 0:
         meta = _meta(engine, tag, dict(client_state), scheduler_state, tmp)
         _write_json(os.path.join(tmp, META), meta)
@@ -126,10 +128,10 @@ def _on_every_rank(engine, what: str, action):
     return result
 
 
-def _write_files(engine, directory: str) -> None:
+def _write_files(engine, directory: str, frozen: dict) -> None:
     _write_rank_file(engine, directory)
     if engine.comm.rank == 0:
-        _write_module_file(engine, directory)
+        _write_module_file(engine, directory, frozen)
 
 
 def _check_tag(tag: str) -> None:
@@ -232,14 +234,16 @@ def _write_rank_file(engine, directory: str) -> None:
     _save_safetensors(tensors, os.path.join(directory, rank_file(engine.comm.rank)))
 
 
-def _write_module_file(engine, directory: str) -> None:
+def _write_module_file(engine, directory: str, frozen: dict) -> None:
+    """module.safetensors: frozen and empty parameters and buffers; `frozen` maps id(param) to
+    the full value of a stage-3 partitioned frozen parameter."""
     laid_out = _laid_out_ids(engine)
     tensors, seen = {}, set()
     for name, tensor in _module_tensors(engine.module):
         if id(tensor) in laid_out or id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        tensors[name] = tensor.detach().cpu().contiguous()
+        tensors[name] = frozen.get(id(tensor), tensor).detach().cpu().contiguous()
     _save_safetensors(tensors, os.path.join(directory, MODULE_FILE))
 
 
@@ -524,7 +528,10 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
     with torch.no_grad():
         _read_shards(engine, meta, reader, owned, kinds, load_optimizer)
         for tensor, value in module_values:
-            tensor.copy_(value.to(tensor.dtype))
+            if engine.frozen is not None and engine.frozen.full_shape(tensor) is not None:
+                engine.frozen.write(tensor, value)  # stage 3: a partitioned frozen parameter
+            else:
+                tensor.copy_(value.to(tensor.dtype))
         engine.optimizer.refresh_params()
     if not module_only:
         _apply_training_state(engine, meta, load_optimizer, load_scheduler)
@@ -539,7 +546,7 @@ def _verify(engine, load_dir, tag, strict, load_optimizer):
     path = resolve(load_dir, tag)
     meta = read_meta(path)
     laid_out = _laid_out_ids(engine)
-    module_values, module_problems = _read_module_file(path, engine.module, laid_out, strict)
+    module_values, module_problems = _read_module_file(path, engine, laid_out, strict)
     problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)] + module_problems
     if problems:
         raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
@@ -569,17 +576,23 @@ def _laid_out_ids(engine) -> set[int]:
     return {id(p) for b in engine.optimizer.buckets for p in b.params}
 
 
-def _read_module_file(path: str, module, laid_out: set[int], strict: bool):
+def _full_shape(engine, tensor) -> tuple:
+    """The tensor's shape; for a stage-3 partitioned frozen parameter, its full shape."""
+    shape = engine.frozen.full_shape(tensor) if engine.frozen is not None else None
+    return tuple(tensor.shape) if shape is None else tuple(shape)
+
+
+def _read_module_file(path: str, engine, laid_out: set[int], strict: bool):
     """([(tensor, saved value)], problems) for every tensor ZeRO does not lay out (frozen and
     empty parameters, buffers), checked against module.safetensors."""
     handle = _open(path, MODULE_FILE)
     targets, seen = {}, set()
-    for name, tensor in _module_tensors(module):
+    for name, tensor in _module_tensors(engine.module):
         if id(tensor) not in laid_out and id(tensor) not in seen:
             seen.add(id(tensor))
             targets[name] = tensor
     saved = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
-    problems = _differences(saved, {n: tuple(t.shape) for n, t in targets.items()})
+    problems = _differences(saved, {n: _full_shape(engine, t) for n, t in targets.items()})
     if not strict:
         problems = [p for p in problems if "shape" in p]
     values = [

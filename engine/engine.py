@@ -27,7 +27,7 @@ from .lr_schedules import build_scheduler
 from .monitor import StepMonitor
 from .optim import build_optimizer, resolve_optimizer
 from .precision import LossScaler
-from .stage3 import ParamGatherer, UsageGuard, choose_units
+from .stage3 import FrozenShards, ParamGatherer, UsageGuard, choose_units
 from .stages import ReduceSettings, ZeroOptimizer
 
 logger = logging.getLogger("zero")
@@ -59,21 +59,13 @@ class Engine(torch.nn.Module):
         mpu=None,
     ):
         super().__init__()
-        offload_param = config.zero.offload_param
-        if offload_param is not None and offload_param.device != "none":
-            raise NotImplementedError(
-                "zero_optimization.offload_param is not implemented yet; remove it or set its "
-                'device to "none"'
-            )
-        if (
-            config.zero.stage == 3
-            and config.zero.offload_optimizer is not None
-            and (config.zero.offload_optimizer.device != "none")
-        ):
-            raise NotImplementedError(
-                "zero_optimization.offload_optimizer with stage 3 is not implemented yet; use "
-                "stage 1 or 2 with offload, or stage 3 without"
-            )
+        for key in ("offload_param", "offload_optimizer"):
+            block = getattr(config.zero, key)
+            if block is not None and block.device == "nvme":
+                raise NotImplementedError(
+                    f"zero_optimization.{key}.device 'nvme' (ZeRO-Infinity) is not implemented; "
+                    'use "cpu" or "none"'
+                )
         if config.grad_accum_dtype != torch.float32:
             raise NotImplementedError(
                 "data_types.grad_accum_dtype: only fp32 gradient accumulation is implemented; "
@@ -101,15 +93,30 @@ class Engine(torch.nn.Module):
             config.compute_dtype,
         )
         self.gatherer = None
+        self.frozen = None  # stage 3: FrozenShards, the partitioned frozen parameters
         if config.zero.stage == 3:
+            frozen = self._frozen_named(named_groups)
+            if frozen:
+                self.frozen = FrozenShards(
+                    frozen,
+                    config.zero.reduce_bucket_size,
+                    comm,
+                    unit_of,
+                    config.compute_dtype,
+                    self._offload_param is not None,
+                    self._offload_param is not None and self._offload_param.pin_memory,
+                )
             self.gatherer = ParamGatherer(
                 units,
                 comm,
                 config.compute_dtype,
+                accelerator.device,
                 prefetch_numel=config.zero.stage3_prefetch_bucket_size,
                 max_live_numel=config.zero.stage3_max_live_parameters,
             )
-            self.gatherer.attach(self.optimizer.buckets)
+            self.gatherer.attach(
+                self.optimizer.buckets + (self.frozen.buckets if self.frozen else [])
+            )
             self.optimizer.gatherer = self.gatherer
             # torch tags these hooks with attributes, which bound methods cannot take
             self.module.register_state_dict_pre_hook(
@@ -175,12 +182,20 @@ class Engine(torch.nn.Module):
             model_parallel=self._model_parallel_norm(mpu),
             offload=self._offload_optimizer is not None,
             pin_memory=bool(self._offload_optimizer and self._offload_optimizer.pin_memory),
+            offload_param=self._offload_param is not None,
+            pin_param=bool(self._offload_param and self._offload_param.pin_memory),
         )
 
     @property
     def _offload_optimizer(self):
         """The offload_optimizer block when it offloads to the CPU, else None."""
         block = self.config.zero.offload_optimizer
+        return block if block is not None and block.device == "cpu" else None
+
+    @property
+    def _offload_param(self):
+        """The offload_param block when it offloads parameter shards to the CPU, else None."""
+        block = self.config.zero.offload_param
         return block if block is not None and block.device == "cpu" else None
 
     def _config_optimizer(self, model_parameters):
@@ -231,6 +246,16 @@ class Engine(torch.nn.Module):
                 "add them to a group or set requires_grad=False"
             )
         return groups
+
+    def _frozen_named(self, named_groups) -> list:
+        """(name, param) for every non-empty parameter no param group trains, each once."""
+        trained = {id(p) for named in named_groups for _, p in named}
+        seen, frozen = set(), []
+        for name, param in self.module.named_parameters():
+            if param.numel() and id(param) not in trained and id(param) not in seen:
+                seen.add(id(param))
+                frozen.append((name, param))
+        return frozen
 
     def _build_scheduler(self, lr_scheduler, optimizer):
         if lr_scheduler is not None:

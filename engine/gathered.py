@@ -22,16 +22,22 @@ _OWNER: dict[int, weakref.ref] = {}
 
 
 def register(optimizer) -> None:
-    """Record which ZeroOptimizer owns each laid-out parameter (called by the Engine)."""
+    """Record which ZeroOptimizer owns each laid-out parameter, trainable or (stage 3) frozen
+    (called by the Engine)."""
     ref = weakref.ref(optimizer)
-    for bucket in optimizer.buckets:
+    for bucket in _buckets(optimizer):
         for param in bucket.params:
             _OWNER[id(param)] = ref
 
 
+def _buckets(optimizer) -> list:
+    return optimizer.gatherer.buckets if optimizer.gatherer is not None else optimizer.buckets
+
+
 class GatheredParameters:
     """Context manager; params: one parameter or an iterable of them. Parameters zero does not
-    partition (frozen ones, or of a model without an engine) pass through unchanged.
+    partition (frozen ones below stage 3, or of a model without an engine) pass through
+    unchanged.
 
     Raises ValueError for a modifier_rank outside the data-parallel group.
     """
@@ -83,7 +89,7 @@ def _publish_modification(optimizer, params, src: int) -> None:
     """Broadcast the buckets holding `params` from rank `src` and refresh the owned slices."""
     ids = {id(p) for p in params}
     shard = optimizer.layout.shard_of(optimizer.comm.rank)
-    for bucket in optimizer.buckets:
+    for bucket in _buckets(optimizer):
         if not any(id(p) in ids for p in bucket.params):
             continue
         optimizer.comm.broadcast(bucket.param_buffer, src=src)
@@ -91,5 +97,5 @@ def _publish_modification(optimizer, params, src: int) -> None:
         owned = bucket.param_buffer[begin:end]
         if bucket.param_shard.data_ptr() != owned.data_ptr():
             bucket.param_shard.copy_(owned)
-        if bucket.master is not bucket.param_shard:
+        if bucket.master is not None and bucket.master is not bucket.param_shard:
             bucket.master.copy_(owned)

@@ -50,13 +50,13 @@ class Unit:
 def choose_units(
     model: torch.nn.Module, threshold: int, class_names=(), persist_below: int = 0
 ) -> tuple[list, dict]:
-    """Split `model` into fetch units. Returns (units, unit index by id(param)) for trainable
-    non-empty parameters; a parameter shared by several modules belongs to the first unit that
-    reaches it in module order. Parameters with fewer than `persist_below` elements
+    """Split `model` into fetch units. Returns (units, unit index by id(param)) for non-empty
+    parameters, trainable and frozen; a parameter shared by several modules belongs to the first
+    unit that reaches it in module order. Parameters with fewer than `persist_below` elements
     (stage3_param_persistence_threshold) form one persistent unit that stays gathered."""
     units: list[Unit] = []
     unit_of: dict[int, int] = {}
-    small = [p for p in model.parameters() if p.requires_grad and 0 < p.numel() < persist_below]
+    small = [p for p in model.parameters() if 0 < p.numel() < persist_below]
     if small:
         units.append(Unit(0, "<persistent>", model, persistent=True))
         unit_of.update({id(p): 0 for p in small})
@@ -65,7 +65,7 @@ def choose_units(
         return sum(p.numel() for p in module.parameters())
 
     def add(name, module, params):
-        fresh = [p for p in params if p.requires_grad and p.numel() and id(p) not in unit_of]
+        fresh = [p for p in params if p.numel() and id(p) not in unit_of]
         if fresh:
             for param in fresh:
                 unit_of[id(param)] = len(units)
@@ -98,14 +98,16 @@ class ParamGatherer:
     prefetch all-gathers are issued in the same order everywhere. Collective throughout.
     """
 
-    def __init__(self, units, comm, compute_dtype, prefetch_numel=0, max_live_numel=None):
+    def __init__(self, units, comm, compute_dtype, device, prefetch_numel=0, max_live_numel=None):
         self.units = units
         self.comm = comm
         self.compute_dtype = compute_dtype
+        self.device = torch.device(device)  # where gathered parameters live
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.prefetch_hits = 0  # fetches that found their unit already being gathered
         self.busy = False  # inside our own ops: UsageGuard must not react to them
+        self.buckets = []  # every bucket attached, trainable and frozen
         self._unit_of_param: dict[int, Unit] = {}
         self._hooks = []
         self._order: list[int] = []  # unit indices in forward order, from the last step
@@ -121,15 +123,16 @@ class ParamGatherer:
             self.busy = False
 
     def attach(self, buckets) -> None:
-        """Bind each bucket to its unit (bucket.layout.unit), release every parameter, gather the
-        persistent unit and hook the others' modules."""
+        """Bind each bucket (trainable and frozen) to its unit (bucket.layout.unit), release every
+        parameter, gather the persistent unit and hook the others' modules."""
+        self.buckets = list(buckets)
         for bucket in buckets:
             unit = self.units[bucket.layout.unit]
             unit.buckets.append(bucket)
             for param in bucket.params:
                 self._unit_of_param[id(param)] = unit
             with self._own_ops():
-                _release_bucket(bucket)
+                _release_bucket(bucket, self.device)
         for unit in self.units:
             if unit.persistent:
                 self.fetch(unit)
@@ -173,7 +176,7 @@ class ParamGatherer:
     def _start_gather(self, unit: Unit) -> None:
         with self._own_ops():
             for bucket in unit.buckets:
-                _start_gather_bucket(bucket, self.comm, self.compute_dtype)
+                _start_gather_bucket(bucket, self.comm, self.compute_dtype, self.device)
         unit.state = UnitState.GATHERING
 
     def _prefetch_after(self, unit: Unit, direction: str) -> None:
@@ -205,17 +208,23 @@ class ParamGatherer:
             self.fetch(unit)  # a prefetch in flight must land before its buffer is freed
         with self._own_ops():
             for bucket in unit.buckets:
-                _release_bucket(bucket)
+                _release_bucket(bucket, self.device)
         unit.state = UnitState.SHARDED
         unit.pinned = False
 
     def release_bucket_after_backward(self, bucket) -> None:
-        """All gradients of the bucket arrived: its full parameters are no longer needed."""
+        """All gradients of the bucket arrived: its full parameters are no longer needed. Once
+        every trainable bucket of the unit is released, so are its frozen buckets (a unit of
+        frozen parameters only is released at the end of backward)."""
         unit = self.units[bucket.layout.unit]
-        if not (unit.pinned or unit.persistent):
-            with self._own_ops():
-                _release_bucket(bucket)
-            if all(b.param_buffer is None for b in unit.buckets):
+        if unit.pinned or unit.persistent:
+            return
+        with self._own_ops():
+            _release_bucket(bucket, self.device)
+            if all(b.param_buffer is None for b in unit.buckets if b.master is not None):
+                for other in unit.buckets:
+                    if other.param_buffer is not None:
+                        _release_bucket(other, self.device)
                 unit.state = UnitState.SHARDED
 
     def release_all(self) -> None:
@@ -233,12 +242,93 @@ class ParamGatherer:
             if unit.persistent:
                 with self._own_ops():
                     for bucket in unit.buckets:
-                        _release_bucket(bucket)
+                        _release_bucket(bucket, self.device)
                 unit.state = UnitState.SHARDED
                 self.fetch(unit)
 
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))
+
+
+class FrozenShards:
+    """Stage 3: frozen parameters, partitioned like trainable ones (paper, 5.3: every parameter
+    lives as a 1/N shard) but without gradients, master weights or optimizer state.
+
+    They are laid out per fetch unit in their own FlatLayout (same bucket and padding rules) and
+    gathered and released with their unit. `buckets` hold `param_shard` ((shard_numel,), compute
+    dtype) and, while gathered, `param_buffer`; `master` is None. Collective construction.
+    """
+
+    def __init__(
+        self,
+        named,
+        bucket_numel: int,
+        comm,
+        unit_of: dict,
+        dtype: torch.dtype,
+        offload: bool = False,
+        pin_memory: bool = False,
+    ):
+        from .flat import FlatLayout
+        from .stages import host_copy
+
+        self.comm = comm
+        self.device = named[0][1].device  # the compute device, where gathering happens
+        self.layout = FlatLayout([named], bucket_numel, comm.world_size, unit_of)
+        by_name = dict(named)
+        self.buckets = []
+        self._place: dict[int, tuple] = {}
+        for layout in self.layout.buckets:
+            bucket = _FrozenBucket(layout, [by_name[slot.name] for slot in layout.slots])
+            full = torch.zeros(layout.padded_numel, dtype=dtype, device=self.device)
+            for slot, param in zip(layout.slots, bucket.params):
+                full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+                self._place[id(param)] = (bucket, slot)
+            begin, end = layout.owned_range(comm.rank)
+            bucket.param_shard = full[begin:end].clone()
+            if offload:  # zero_optimization.offload_param: the shard lives in host memory
+                bucket.param_shard = host_copy(bucket.param_shard, pin_memory)
+            self.buckets.append(bucket)
+
+    def full_shape(self, param) -> tuple | None:
+        """The shape of a partitioned frozen parameter, None for any other tensor."""
+        place = self._place.get(id(param))
+        return None if place is None else place[1].shape
+
+    def full_values(self, dst: int = 0) -> dict[int, torch.Tensor]:
+        """id(param) -> full value on the host, on rank `dst` (empty elsewhere). All-gathers one
+        bucket at a time. Collective."""
+        values = {}
+        for bucket in self.buckets:
+            shard = bucket.param_shard.to(self.device)
+            full = torch.empty(bucket.layout.padded_numel, dtype=shard.dtype, device=self.device)
+            self.comm.all_gather(full, shard)
+            if self.comm.rank == dst:
+                for slot, param in zip(bucket.layout.slots, bucket.params):
+                    piece = full[slot.offset : slot.offset + slot.numel]
+                    values[id(param)] = piece.view(slot.shape).cpu().clone()
+        return values
+
+    def write(self, param, value: torch.Tensor) -> None:
+        """Store the owned part of `value` (the full parameter) in this rank's shard."""
+        bucket, slot = self._place[id(param)]
+        begin, end = bucket.layout.owned_range(self.comm.rank)
+        flat = value.reshape(-1).to(bucket.param_shard.dtype)
+        lo, hi = max(begin, slot.offset), min(end, slot.offset + slot.numel)
+        if lo < hi:
+            bucket.param_shard[lo - begin : hi - begin].copy_(
+                flat[lo - slot.offset : hi - slot.offset]
+            )
+
+
+class _FrozenBucket:
+    def __init__(self, layout, params):
+        self.layout = layout
+        self.params = params
+        self.param_shard = None
+        self.param_buffer = None
+        self.pending = None
+        self.master = None
 
 
 def _unit_numel(unit: Unit) -> int:
@@ -266,10 +356,14 @@ class UsageGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _start_gather_bucket(bucket, comm, dtype) -> None:
-    layout = bucket.layout
-    buffer = torch.empty(layout.padded_numel, dtype=dtype, device=bucket.param_shard.device)
-    bucket.pending = comm.all_gather(buffer, bucket.param_shard, async_op=True)
+def _start_gather_bucket(bucket, comm, dtype, device) -> None:
+    """All-gather the bucket into a fresh buffer on `device`; an offloaded (host) shard is
+    copied there first (asynchronously when pinned)."""
+    shard = bucket.param_shard
+    if shard.device != device:
+        shard = shard.to(device, non_blocking=shard.is_pinned())
+    buffer = torch.empty(bucket.layout.padded_numel, dtype=dtype, device=device)
+    bucket.pending = comm.all_gather(buffer, shard, async_op=True)
     bucket.param_buffer = buffer
 
 
@@ -280,8 +374,8 @@ def _finish_gather_bucket(bucket) -> None:
         param.data = bucket.param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
 
-def _release_bucket(bucket) -> None:
-    placeholder = torch.empty(0, dtype=bucket.param_shard.dtype, device=bucket.param_shard.device)
+def _release_bucket(bucket, device) -> None:
+    placeholder = torch.empty(0, dtype=bucket.param_shard.dtype, device=device)
     for param in bucket.params:
         param.data = placeholder
     bucket.param_buffer = None

@@ -42,6 +42,13 @@ def _unstepped(state: dict) -> bool:
     return "step" in state and float(state["step"]) == 0
 
 
+def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host copy of `tensor` (same dtype), page-locked when `pin` and CUDA exists, so copies
+    to and from the device can be asynchronous."""
+    host = tensor.detach().to("cpu", copy=True)
+    return host.pin_memory() if pin and torch.cuda.is_available() else host
+
+
 class BucketState(enum.Enum):
     FILLING = "filling"  # gradients of this micro-batch are being copied in
     REDUCING = "reducing"  # collective launched, not yet waited for
@@ -60,6 +67,9 @@ class ReduceSettings:
     so the norm counts every model-parallel slice once. offload, pin_memory: keep fp32 master
     weights, their gradient and the optimizer state in (page-locked) host memory and step there
     [zero_optimization.offload_optimizer.device "cpu", .pin_memory] (ZeRO-Offload).
+    offload_param, pin_param: stage 3 keeps each parameter shard in (page-locked) host memory and
+    copies it to the device for the all-gather [zero_optimization.offload_param.device "cpu",
+    .pin_memory].
     """
 
     stage: int
@@ -70,6 +80,8 @@ class ReduceSettings:
     model_parallel: object | None = None
     offload: bool = False
     pin_memory: bool = False
+    offload_param: bool = False
+    pin_param: bool = False
 
 
 class Bucket:
@@ -209,9 +221,11 @@ class ZeroOptimizer:
         if self.settings.stage == 3:
             # Only the owned slice persists; the parameters are released by the gatherer.
             bucket.param_shard = full[begin:end].to(self.compute_dtype, copy=True)
+            if self.settings.offload_param:
+                bucket.param_shard = host_copy(bucket.param_shard, self.settings.pin_param)
         if self.settings.offload:
-            bucket.master = self._host_copy(full[begin:end])
-            bucket.host_grad = self._host_copy(torch.zeros(layout.shard_numel))
+            bucket.master = host_copy(full[begin:end], self.settings.pin_memory)
+            bucket.host_grad = host_copy(torch.zeros(layout.shard_numel), self.settings.pin_memory)
         elif self.compute_dtype == torch.float32:
             bucket.master = bucket.param_shard
         else:
@@ -237,14 +251,6 @@ class ZeroOptimizer:
                 slot.shape
             )
             param.grad = None
-
-    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """An fp32 host copy of `tensor`, page-locked when pin_memory is set and CUDA exists (so
-        device copies can be asynchronous)."""
-        host = tensor.detach().to("cpu", torch.float32, copy=True)
-        if self.settings.pin_memory and torch.cuda.is_available():
-            host = host.pin_memory()
-        return host
 
     def _register_hooks(self) -> list:
         handles = []

@@ -143,6 +143,7 @@ def chain_link(root, index, cases, mpu):
         engine = make_engine(stage, dtype, bucket=40 if index % 2 else 10**6, mpu=mpu)
         client = {"link": index}
         if index > 0:
+            scramble_frozen(engine)  # the checkpoint must restore them
             _, client = engine.load_checkpoint(save_dir)
             assert client == {"link": index - 1, "note": "x"}
         train(engine, batches[index * STEPS_PER_RUN : (index + 1) * STEPS_PER_RUN])
@@ -153,6 +154,15 @@ def chain_link(root, index, cases, mpu):
             "masters": [b.master[: b.layout.shard_numel].clone() for b in engine.optimizer.buckets],
         }
     return out
+
+
+def scramble_frozen(engine):
+    """Overwrite the frozen layer: its full tensors, or (stage 3) this rank's shards of them."""
+    with torch.no_grad():
+        for param in engine.module.frozen.parameters():
+            param.fill_(7.0)  # 0 elements under stage 3
+        for bucket in engine.frozen.buckets if engine.frozen is not None else []:
+            bucket.param_shard.fill_(7.0)
 
 
 def reference_run(steps):

@@ -136,10 +136,7 @@ def test_training_data_gives_distributed_loader():
     assert loader.batch_size == 2 and len(loader) == 5
 
 
-def test_unimplemented_offload_and_missing_config_errors():
-    offload = {"stage": 3, "offload_param": {"device": "cpu"}}
-    with pytest.raises(NotImplementedError, match="offload_param"):
-        zero.initialize(model=Tiny(), config=base_config(zero_optimization=offload))
+def test_missing_config_errors():
     with pytest.raises(ValueError, match="no config"):
         zero.initialize(model=Tiny())
     with pytest.raises(ValueError, match="no optimizer"):

@@ -1,6 +1,7 @@
-"""ZeRO-Offload (offload_optimizer cpu): the same run with and without offload agrees after every
-optimizer step. On a machine without GPUs the host is the device, so this exercises the whole
-offload path: host masters and gradients, cpu_adam, and the copy back before the all-gather."""
+"""ZeRO-Offload (offload_optimizer cpu, stages 1-3) and parameter offload (offload_param cpu,
+stage 3): the same run with and without offload agrees after every optimizer step. On a machine
+without GPUs the host is the device, so this exercises the whole offload path: host masters and
+gradients, cpu_adam, host parameter shards, and the copy back before the all-gather."""
 
 import itertools
 
@@ -11,7 +12,7 @@ from test_stages import Net, batches, param_groups
 import zero
 
 
-def run(stage, dtype, gas, offload):
+def run(stage, dtype, gas, offload, offload_param=False):
     torch.manual_seed(0)
     model = Net()
     cfg = {
@@ -24,20 +25,24 @@ def run(stage, dtype, gas, offload):
     }
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_param:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     params = [{k: v for k, v in g.items() if k != "weight_decay"} for g in param_groups(model)]
     engine, optimizer, _, _ = zero.initialize(model=model, model_parameters=params, config=cfg)
     history = []
-    for step in batches(2, gas, steps=3):
+    for step in batches(2, gas, steps=3, same_modules=stage == 3):
         for micro in step:
             x, y, use_extra = micro[engine.rank]
             engine.backward(engine(x, y, use_extra=use_extra))
             engine.step()
+        with zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: full values
+            params = [p.detach().float().clone() for p in engine.module.parameters()]
         history.append(
             {
                 "masters": [b.master.detach().clone() for b in engine.optimizer.buckets],
-                "params": [p.detach().float().clone() for p in engine.module.parameters()],
+                "params": params,
                 "norm": engine.get_global_grad_norm(),
             }
         )
@@ -48,17 +53,22 @@ def run(stage, dtype, gas, offload):
 
 def sweep():
     out = {}
-    for stage, dtype, gas in itertools.product((1, 2), ("fp32", "bf16"), (1, 2)):
+    for stage, dtype, gas in itertools.product((1, 2, 3), ("fp32", "bf16"), (1, 2)):
         plain = run(stage, dtype, gas, offload=False)
-        offloaded = run(stage, dtype, gas, offload=True)
-        out[(stage, dtype, gas)] = (plain, offloaded)
+        out[(stage, dtype, gas)] = (plain, run(stage, dtype, gas, offload=True))
+        if stage == 3:
+            both = run(stage, dtype, gas, offload=True, offload_param=True)
+            out[(stage, dtype, gas, "offload_param")] = (plain, both)
+            params_only = run(stage, dtype, gas, offload=False, offload_param=True)
+            out[(stage, dtype, gas, "offload_param only")] = (plain, params_only)
     return out
 
 
 def test_offload_matches_device_optimizer_after_every_step():
     for case, (plain, offloaded) in run_ranks(sweep, 2)[0].items():
         (ref, ref_kind, _), (got, kind, devices) = plain, offloaded
-        assert ref_kind == "AdamW" and kind == "CPUAdam" and devices == {"cpu"}, case
+        expected = "AdamW" if "offload_param only" in case else "CPUAdam"
+        assert ref_kind == "AdamW" and kind == expected and devices == {"cpu"}, case
         for step, (a, b) in enumerate(zip(ref, got)):
             assert abs(a["norm"] - b["norm"]) <= 1e-6 * a["norm"], (case, step)
             for x, y in zip(a["masters"], b["masters"]):
@@ -106,3 +116,21 @@ def test_optimizer_with_construction_state_and_shape_dependent_rejection():
         assert "Adafactor" in str(error) and "flat 1-D shards" in str(error)
     else:
         raise AssertionError("Adafactor was accepted")
+
+
+def test_nvme_offload_is_refused_naming_the_key(tmp_path):
+    for key in ("offload_optimizer", "offload_param"):
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+            "zero_optimization": {
+                "stage": 3,
+                key: {"device": "nvme", "nvme_path": str(tmp_path)},
+            },
+        }
+        try:
+            zero.initialize(model=Tiny(), config=cfg)
+        except NotImplementedError as error:
+            assert f"zero_optimization.{key}.device 'nvme'" in str(error)
+        else:
+            raise AssertionError(f"{key} nvme was accepted")

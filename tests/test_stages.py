@@ -149,9 +149,14 @@ def sweep_fp32(world_size):
         cfg = config(stage, gas, clip, world_size, bucket=bucket, unit=min(bucket, 60))
         engine, norms = train_engine(cfg, data)
         ref, ref_norms = reference(data, world_size, gas, clip)
+        # stage 3: frozen parameters are partitioned too; this rank holds 1/N of them
+        frozen_held = sum(p.numel() for p in engine.module.frozen.parameters()) + sum(
+            b.param_shard.numel() for b in (engine.frozen.buckets if engine.frozen else [])
+        )
         results.append(
             {
                 "case": (stage, gas, clip, bucket),
+                "frozen_held": frozen_held,
                 "param_diff": max_param_diff(engine, ref),
                 "norms": norms,
                 "ref_norms": ref_norms,
@@ -169,6 +174,12 @@ def test_fp32_parity(world_size):
         for res in rank_results:
             assert res["param_diff"] <= 1e-6, res
             assert res["frozen_equal"], res
+            frozen_numel = HIDDEN * HIDDEN + HIDDEN
+            if res["case"][0] == 3:
+                # the owned slice of each frozen bucket, padding included
+                assert res["frozen_held"] <= -(-frozen_numel // world_size) + 2, res
+            else:
+                assert res["frozen_held"] == frozen_numel, res
             for got, want in zip(res["norms"], res["ref_norms"]):
                 assert got == pytest.approx(want, rel=1e-6, abs=1e-7), res
     # The reported norm is the same on every rank.
