@@ -10,6 +10,7 @@ import importlib
 _EXPORTS = {
     "CheckpointError": "checkpoint",
     "GatheredParameters": "gathered",
+    "Init": "init",
     "initialize": "api",
     "Engine": "engine",
     "Config": "config",

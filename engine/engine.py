@@ -23,6 +23,7 @@ from . import gathered
 from .accelerator import Accelerator
 from .comm import Communicator
 from .flat import FlatLayout
+from .init import full_numel, is_partitioned, take_full
 from .lr_schedules import build_scheduler
 from .monitor import StepMonitor
 from .optim import build_optimizer, resolve_optimizer
@@ -80,6 +81,8 @@ class Engine(torch.nn.Module):
         optimizer = optimizer or self._config_optimizer(model_parameters)
         named_groups = self._named_groups(optimizer, client_optimizer)
         self.module.to(device=accelerator.device)  # keeps Parameter objects: groups stay valid
+        if config.zero.stage < 3:
+            self._materialize_frozen(named_groups)
         self._broadcast_module()
         self.scaler = LossScaler.from_config(config)
         units, unit_of = self._fetch_units()
@@ -226,14 +229,14 @@ class Engine(torch.nn.Module):
                         "the optimizer holds a tensor that is not a parameter of the model "
                         f"(shape {tuple(param.shape)}); build it over model.parameters()"
                     )
-                if param.requires_grad and param.numel() > 0 and id(param) not in seen:
+                if param.requires_grad and full_numel(param) > 0 and id(param) not in seen:
                     named.append((names[id(param)], param))
                     seen.add(id(param))
             groups.append(named)
         missing = [
             n
             for n, p in self.module.named_parameters()
-            if p.requires_grad and p.numel() > 0 and id(p) not in seen
+            if p.requires_grad and full_numel(p) > 0 and id(p) not in seen
         ]
         if missing:
             source = (
@@ -252,10 +255,17 @@ class Engine(torch.nn.Module):
         trained = {id(p) for named in named_groups for _, p in named}
         seen, frozen = set(), []
         for name, param in self.module.named_parameters():
-            if param.numel() and id(param) not in trained and id(param) not in seen:
+            if full_numel(param) and id(param) not in trained and id(param) not in seen:
                 seen.add(id(param))
                 frozen.append((name, param))
         return frozen
+
+    def _materialize_frozen(self, named_groups) -> None:
+        """Stages 0-2 keep frozen parameters whole: gather those that zero.Init partitioned.
+        Collective."""
+        for _, param in self._frozen_named(named_groups):
+            if is_partitioned(param):
+                param.data = take_full(param, self.comm).to(param.device)
 
     def _build_scheduler(self, lr_scheduler, optimizer):
         if lr_scheduler is not None:
@@ -273,7 +283,8 @@ class Engine(torch.nn.Module):
         flat buffers and fp32 master weights are built from them). Collective."""
         if self.comm.world_size > 1:
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                self.comm.broadcast(tensor.data, src=0)
+                if not is_partitioned(tensor):  # zero.Init broadcast those when it built them
+                    self.comm.broadcast(tensor.data, src=0)
         self.comm.ledger.end_step()
 
     def _cast_rest(self, dtype: torch.dtype) -> None:

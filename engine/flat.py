@@ -12,11 +12,14 @@ in place, so the per-step volume is exactly the paper's 2 Psi and buckets overla
 Stage 0 uses num_shards 1: every rank owns everything.
 
 The layout is pure bookkeeping (no tensors), so checkpoints and tests can reason about it alone.
+Shapes are full shapes, also for parameters that zero.Init holds partitioned.
 """
 
 from dataclasses import dataclass, field
 
 import torch
+
+from .init import full_numel, full_shape
 
 
 @dataclass(frozen=True)
@@ -86,27 +89,27 @@ class FlatLayout:
         for name, param in named:
             unit = self._unit_of.get(id(param), 0)
             new_unit = pending and unit != self._unit_of.get(id(pending[0][1]), 0)
-            if pending and (new_unit or pending_numel + param.numel() > bucket_numel):
+            if pending and (new_unit or pending_numel + full_numel(param) > bucket_numel):
                 start = self._close_bucket(group, start, pending)
                 pending, pending_numel = [], 0
             pending.append((name, param))
-            pending_numel += param.numel()
+            pending_numel += full_numel(param)
         if pending:
             start = self._close_bucket(group, start, pending)
         self.group_numel.append(start)
 
     def _close_bucket(self, group: int, start: int, named) -> int:
         index = len(self.buckets)
-        numel = sum(p.numel() for _, p in named)
+        numel = sum(full_numel(p) for _, p in named)
         padded = -(-numel // self.num_shards) * self.num_shards
         unit = self._unit_of.get(id(named[0][1]), 0)
         bucket = BucketLayout(index, group, start, numel, padded, self.num_shards, unit)
         offset = 0
         for name, param in named:
-            slot = Slot(name, tuple(param.shape), index, offset, param.numel())
+            slot = Slot(name, tuple(full_shape(param)), index, offset, full_numel(param))
             bucket.slots.append(slot)
             self._slot_of[id(param)] = slot
-            offset += param.numel()
+            offset += slot.numel
         self.buckets.append(bucket)
         return start + padded
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .init import full_numel, is_partitioned, take_full
+
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
@@ -56,16 +58,16 @@ def choose_units(
     (stage3_param_persistence_threshold) form one persistent unit that stays gathered."""
     units: list[Unit] = []
     unit_of: dict[int, int] = {}
-    small = [p for p in model.parameters() if 0 < p.numel() < persist_below]
+    small = [p for p in model.parameters() if 0 < full_numel(p) < persist_below]
     if small:
         units.append(Unit(0, "<persistent>", model, persistent=True))
         unit_of.update({id(p): 0 for p in small})
 
     def numel(module):
-        return sum(p.numel() for p in module.parameters())
+        return sum(full_numel(p) for p in module.parameters())
 
     def add(name, module, params):
-        fresh = [p for p in params if p.numel() and id(p) not in unit_of]
+        fresh = [p for p in params if full_numel(p) and id(p) not in unit_of]
         if fresh:
             for param in fresh:
                 unit_of[id(param)] = len(units)
@@ -282,7 +284,8 @@ class FrozenShards:
             bucket = _FrozenBucket(layout, [by_name[slot.name] for slot in layout.slots])
             full = torch.zeros(layout.padded_numel, dtype=dtype, device=self.device)
             for slot, param in zip(layout.slots, bucket.params):
-                full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+                value = take_full(param, comm) if is_partitioned(param) else param.detach()
+                full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
                 self._place[id(param)] = (bucket, slot)
             begin, end = layout.owned_range(comm.rank)
             bucket.param_shard = full[begin:end].clone()

@@ -29,6 +29,7 @@ import torch
 
 from .comm import Communicator, Handle
 from .flat import BucketLayout, FlatLayout
+from .init import is_partitioned, take_full
 from .optim import UNSUPPORTED_OPTIMIZERS
 from .precision import LossScaler
 
@@ -214,7 +215,9 @@ class ZeroOptimizer:
         layout, device = bucket.layout, bucket.param_buffer.device
         full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         for slot, param in zip(layout.slots, bucket.params):
-            full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+            # A zero.Init parameter is gathered here, one at a time (collective).
+            value = take_full(param, self.comm) if is_partitioned(param) else param.detach()
+            full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
         if self.settings.stage != 3:
             bucket.param_buffer.copy_(full)
         begin, end = layout.owned_range(self.layout.shard_of(self.comm.rank))

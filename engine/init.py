@@ -1,0 +1,355 @@
+"""zero.Init: partition parameters while the model is built (paper, 5.3; DeepSpeed's
+deepspeed.zero.Init).
+
+    with zero.Init(config="zero3.json"):
+        model = GPT(cfg)          # each rank now holds 1/N of every parameter
+    engine, *_ = zero.initialize(model=model, config="zero3.json")
+
+[Note: construction]
+Inside the context every nn.Module class's __init__ is wrapped. When the outermost __init__ call
+of a module returns, its own (direct) parameters are partitioned: rank 0's values are broadcast,
+each rank keeps its zero-padded 1/N slice of every parameter (InitShard), and the Parameter
+object keeps its identity, dtype and requires_grad but holds 0 elements. Children finish before
+their parent, so a rank never holds much more than one module's full parameters.
+
+[Note: touching a partitioned parameter]
+Construction code often re-initializes children from the parent (GPT-2 style
+`self.apply(self._init_weights)` at the end of __init__), ties weights, or reads shapes. A
+TorchFunctionMode active inside the context catches every torch operation on a partitioned
+parameter: the parameter is all-gathered (its full value, on the device it was built on) just
+before the operation, and stays gathered until an operation touches a different partitioned
+parameter, a module finishes __init__, or the context ends; then it is re-partitioned (broadcast
+from rank 0, slice kept). Aliases taken through `.data` or views are written through until then.
+So values equal an ordinary construction on rank 0 with the same seed, random draws included.
+Gathering is collective: every rank must build the same modules and touch the same parameters
+in the same order, which construction code does unless it branches on the rank.
+
+After the context, zero.initialize gathers each parameter once more, one bucket at a time, to lay
+it out (engine/stages.py); until then `param.numel()` is 0 and full_shape(param) gives the shape.
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from .accelerator import detect_accelerator
+from .comm import Communicator, init_process_group, read_launch_env
+
+_ACTIVE = None  # the Init context in force (contexts do not nest: an inner one does nothing)
+
+
+class InitShard:
+    """This rank's slice of a parameter built under zero.Init.
+
+    shape: the full shape. data: (ceil(numel / N),) the rank's slice, zero-padded, in the
+    parameter's dtype. gathered: the parameter holds its full value right now.
+    """
+
+    def __init__(self, shape: torch.Size, data: torch.Tensor, home: torch.device):
+        self.shape = shape
+        self.data = data
+        self.home = home  # the device the parameter was built on (its placeholder's device)
+        self.gathered = False
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def is_partitioned(tensor) -> bool:
+    """True for a parameter built under zero.Init and not yet laid out by an engine."""
+    return isinstance(getattr(tensor, "zero_shard", None), InitShard)
+
+
+def full_shape(param) -> torch.Size:
+    """The parameter's full shape, also while zero.Init holds it partitioned."""
+    return param.zero_shard.shape if is_partitioned(param) else param.shape
+
+
+def full_numel(param) -> int:
+    """The parameter's full number of elements, also while zero.Init holds it partitioned."""
+    return full_shape(param).numel()
+
+
+def gather_full(param, comm: Communicator) -> torch.Tensor:
+    """The full value of a zero.Init parameter: (full_shape,) on the shard's device.
+    Collective over the data-parallel group."""
+    shard = param.zero_shard
+    if shard.gathered:
+        return param.data.to(shard.data.device)
+    out = torch.empty(
+        shard.data.numel() * comm.world_size, dtype=shard.data.dtype, device=shard.data.device
+    )
+    comm.all_gather(out, shard.data)
+    return out[: shard.numel].view(shard.shape)
+
+
+def take_full(param, comm: Communicator) -> torch.Tensor:
+    """gather_full(), then forget the zero.Init shard (the engine lays the parameter out from
+    the returned value). The parameter keeps its 0-element placeholder. Collective."""
+    value = gather_full(param, comm)
+    del param.zero_shard
+    return value
+
+
+class Init:
+    """Context manager: parameters of modules built inside are partitioned over the
+    data-parallel ranks as each module's __init__ ends.
+
+    Args (DeepSpeed's deepspeed.zero.Init; the ones not listed are accepted and ignored):
+        config, config_dict_or_path: the engine's config (path, dict or zero.Config); validated
+            here. zero_optimization.offload_param.device "cpu" keeps the shards in host memory.
+        data_parallel_group: a torch.distributed group to partition over (default: all ranks).
+        mpu: a model-parallel unit; its data-parallel group is used.
+        remote_device: "cpu" to keep shards in host memory, else the accelerator.
+        enabled: False makes the context do nothing.
+
+    torch.distributed is initialized from the launcher's environment (RANK, WORLD_SIZE, ...)
+    when it is set and no process group exists; without either, there is one rank and a shard is
+    the whole parameter. Collective: every rank enters the context and builds the same modules.
+    Raises ConfigError (a ValueError) for a bad config, before anything is built.
+    """
+
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        mem_efficient_linear=True,
+        remote_device=None,
+        pin_memory=False,
+        config_dict_or_path=None,
+        config=None,
+        enabled=True,
+        dtype=None,
+        mpu=None,
+        **ignored,
+    ):
+        from .config import load_config
+
+        source = config if config is not None else config_dict_or_path
+        self.enabled = enabled
+        launch = read_launch_env()
+        cfg = None
+        if source is not None and mpu is None:
+            # Validate before touching torch.distributed, so a bad config costs nothing.
+            world = dist.get_world_size() if dist.is_initialized() else None
+            cfg = load_config(source, world_size=world or (launch.world_size if launch else 1))
+        accelerator = detect_accelerator(launch.local_rank if launch else 0)
+        if launch is not None and not dist.is_initialized():
+            init_process_group(accelerator.backend, launch)
+        self.comm = _data_parallel_comm(mpu, data_parallel_group)
+        if source is not None and mpu is not None:
+            cfg = load_config(source, world_size=self.comm.world_size)
+        offload = cfg is not None and cfg.zero.offload_param is not None
+        offload = offload and cfg.zero.offload_param.device == "cpu"
+        self.comm_device = accelerator.device  # where collectives run
+        host = remote_device == "cpu" or offload
+        self.device = torch.device("cpu") if host else accelerator.device  # where shards live
+        self.pin_memory = pin_memory or (offload and cfg.zero.offload_param.pin_memory)
+        self._gathered: dict[int, torch.nn.Parameter] = {}
+        self._patched: dict[type, object] = {}  # class -> its own __init__
+        self._subclass_hook = None
+        self._mode = None
+        self._busy = False
+        if module is not None and enabled:
+            self._partition_tree(module)
+
+    # ----- the context ----------------------------------------------------------------------
+    def __enter__(self):
+        global _ACTIVE
+        if not self.enabled or _ACTIVE is not None:
+            self.enabled = False
+            return self
+        _ACTIVE = self
+        for cls in _module_classes():
+            self._wrap_init(cls)
+        self._subclass_hook = torch.nn.Module.__dict__.get("__init_subclass__")
+        torch.nn.Module.__init_subclass__ = classmethod(_wrap_subclass_init)
+        self._mode = _Catch(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        global _ACTIVE
+        if not self.enabled:
+            return False
+        self._mode.__exit__(*exc)
+        for cls, original in self._patched.items():
+            cls.__init__ = original
+        self._patched.clear()
+        if self._subclass_hook is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._subclass_hook
+        _ACTIVE = None
+        if exc[0] is None:
+            self._release_all()
+        return False
+
+    def _wrap_init(self, cls) -> None:
+        if "__init__" in cls.__dict__ and cls not in self._patched:
+            self._patched[cls] = cls.__dict__["__init__"]
+            cls.__init__ = _wrapped_init(cls.__dict__["__init__"])
+
+    # ----- partitioning ---------------------------------------------------------------------
+    def _module_built(self, module) -> None:
+        """The outermost __init__ of `module` returned: partition its own parameters."""
+        self._release_all()
+        for param in module.parameters(recurse=False):
+            if not is_partitioned(param) and param.numel() > 0:
+                self._partition(param)
+
+    def _partition_tree(self, module) -> None:
+        for param in module.parameters():
+            if not is_partitioned(param) and param.numel() > 0:
+                self._partition(param)
+
+    def _partition(self, param) -> None:
+        """Broadcast rank 0's value, keep this rank's slice. Collective."""
+        with self._own_ops(), torch.no_grad():
+            home = param.device
+            full = param.data.to(self.comm_device, copy=True).contiguous()
+            self.comm.broadcast(full, src=0)
+            shard = self._slice(full)
+            param.zero_shard = InitShard(full.shape, shard, home)
+            param.data = torch.empty(0, dtype=param.dtype, device=home)
+
+    def _slice(self, full: torch.Tensor) -> torch.Tensor:
+        part = -(-full.numel() // self.comm.world_size)
+        begin = min(self.comm.rank * part, full.numel())
+        end = min(begin + part, full.numel())
+        shard = torch.zeros(part, dtype=full.dtype, device=self.device)
+        shard[: end - begin].copy_(full.reshape(-1)[begin:end])
+        if self.pin_memory and torch.cuda.is_available() and shard.device.type == "cpu":
+            shard = shard.pin_memory()
+        return shard
+
+    def _gather(self, param) -> None:
+        with self._own_ops(), torch.no_grad():
+            full = gather_full(param, self.comm)
+            param.data = full.to(param.zero_shard.home, copy=True)
+            param.zero_shard.gathered = True
+            self._gathered[id(param)] = param
+
+    def _release(self, param) -> None:
+        """Re-partition a gathered parameter from rank 0's (possibly modified) value."""
+        with self._own_ops(), torch.no_grad():
+            shard = param.zero_shard
+            full = param.data.to(self.comm_device, copy=True).contiguous()
+            self.comm.broadcast(full, src=0)
+            shard.data = self._slice(full)
+            shard.shape = full.shape
+            shard.gathered = False
+            param.data = torch.empty(0, dtype=param.dtype, device=shard.home)
+        del self._gathered[id(param)]
+
+    def _release_all(self, keep=()) -> None:
+        for key, param in list(self._gathered.items()):
+            if key not in keep:
+                self._release(param)
+
+    def _own_ops(self):
+        return _Busy(self)
+
+    def touch(self, params) -> None:
+        """Before an operation on `params` (partitioned parameters): release the other gathered
+        parameters, gather these."""
+        keep = {id(p) for p in params}
+        self._release_all(keep)
+        for param in params:
+            if not param.zero_shard.gathered:
+                self._gather(param)
+
+
+class _Busy:
+    def __init__(self, init: Init):
+        self.init = init
+
+    def __enter__(self):
+        self.previous, self.init._busy = self.init._busy, True
+
+    def __exit__(self, *exc):
+        self.init._busy = self.previous
+
+
+class _Catch(TorchFunctionMode):
+    """Gathers partitioned parameters that a torch operation touches (see [Note: touching a
+    partitioned parameter])."""
+
+    def __init__(self, init: Init):
+        super().__init__()
+        self.init = init
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.init._busy:
+            params = [t for t in _flatten((args, kwargs)) if is_partitioned(t)]
+            if params:
+                self.init.touch(list({id(p): p for p in params}.values()))
+        return func(*args, **kwargs)
+
+
+def _flatten(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flatten(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _flatten(item)
+
+
+def _module_classes() -> set:
+    seen, stack = set(), [torch.nn.Module]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+    return seen
+
+
+def _wrapped_init(init):
+    @functools.wraps(init)
+    def wrapper(module, *args, **kwargs):
+        ctx = _ACTIVE
+        if ctx is None:
+            return init(module, *args, **kwargs)
+        depth = module.__dict__.get("_zero_init_depth", 0)
+        object.__setattr__(module, "_zero_init_depth", depth + 1)
+        try:
+            init(module, *args, **kwargs)
+        finally:
+            if depth == 0:
+                del module.__dict__["_zero_init_depth"]
+            else:
+                object.__setattr__(module, "_zero_init_depth", depth)
+        if depth == 0:
+            ctx._module_built(module)
+
+    return wrapper
+
+
+def _wrap_subclass_init(cls, **kwargs):
+    """nn.Module.__init_subclass__ while a context is open: classes defined inside it are
+    wrapped too."""
+    super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+    if _ACTIVE is not None and "__init__" in cls.__dict__:
+        _ACTIVE._wrap_init(cls)
+
+
+def _data_parallel_comm(mpu, group) -> Communicator:
+    if mpu is not None:
+        return Communicator(
+            mpu.get_data_parallel_group(),
+            mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(),
+        )
+    if not dist.is_initialized():
+        return Communicator(None, 0, 1)
+    if group is not None:
+        return Communicator(group, dist.get_rank(group), dist.get_world_size(group))
+    return Communicator(None, dist.get_rank(), dist.get_world_size())
