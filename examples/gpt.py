@@ -173,14 +173,16 @@ class GPT(nn.Module):
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameter count (elements) of the full model, each shared parameter counted once
         (with an mpu: every model-parallel slice counted, as in the single-process model)."""
-        count = sum(p.numel() for p in self.parameters())
+        from zero.init import full_numel  # also counts what zero.Init holds partitioned
+
+        count = sum(full_numel(p) for p in self.parameters())
         if self.mpu is not None:
             from zero.tensor_parallel import partitioned_parameters
 
-            sliced = sum(p.numel() for p in partitioned_parameters(self))
+            sliced = sum(full_numel(p) for p in partitioned_parameters(self))
             count += (_model_parallel_size(self.mpu) - 1) * sliced
         if non_embedding:
-            count -= self.wpe.weight.numel()
+            count -= full_numel(self.wpe.weight)
         return count
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

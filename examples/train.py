@@ -10,6 +10,7 @@ accumulation, optimizer, lr schedule, precision and ZeRO stage all come from the
 """
 
 import argparse
+import os
 import random
 import time
 
@@ -41,8 +42,19 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="recompute each block in backward (also on when the config has the block)",
     )
+    parser.add_argument(
+        "--zero_init",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="build the model under zero.Init, partitioned as it is built (auto: with stage 3)",
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="ignored (launchers pass it)")
     return parser.parse_args()
+
+
+def _data_parallel_size(mp: int) -> int:
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    return max(1, world // mp)
 
 
 def log(engine, *lines: str) -> None:
@@ -83,7 +95,10 @@ def main() -> None:
         dropout=args.dropout,
         activation_checkpointing=args.activation_checkpointing,
     )
-    model = GPT(model_config, mpu)
+    stage = zero.load_config(args.config, world_size=_data_parallel_size(args.mp)).zero.stage
+    partition = args.zero_init == "on" or (args.zero_init == "auto" and stage == 3)
+    with zero.Init(config=args.config, mpu=mpu, enabled=partition):
+        model = GPT(model_config, mpu)
     num_params = model.num_parameters()  # before initialize: stage 3 may shard the parameters
     engine, _, _, _ = zero.initialize(args=args, model=model, config=args.config, mpu=mpu)
     engine.monitor.tokens_per_sample = args.block_size  # engine step log: tokens/s and TFLOP/s
@@ -113,7 +128,8 @@ def main() -> None:
         f"world size {engine.world_size}, device {engine.device}, "
         f"compute dtype {engine.config.compute_dtype}",
         f"model: {num_params:,} parameters "
-        f"({args.n_layer} layers, {args.n_head} heads, width {args.n_embd})",
+        f"({args.n_layer} layers, {args.n_head} heads, width {args.n_embd})"
+        + (", built partitioned (zero.Init)" if partition else ""),
         f"corpus: {corpus_name}, {len(raw):,} bytes "
         f"(train {len(data.train):,}, val {len(data.val):,})",
         f"unigram entropy {nats:.4f} nats/byte ({bits:.4f} bits/byte): the loss to beat",
