@@ -170,7 +170,11 @@ class ParamGatherer:
         if unit.state is UnitState.GATHERING:
             with self._own_ops():
                 for bucket in unit.buckets:
-                    _finish_gather_bucket(bucket)
+                    try:
+                        _finish_gather_bucket(bucket)
+                    except RuntimeError as error:
+                        what = f"the all-gather of unit '{unit.name}'"
+                        raise collective_failure(self.comm.rank, what, error) from error
             unit.state = UnitState.GATHERED
         if direction is not None and self.prefetch_numel > 0:
             self._prefetch_after(unit, direction)
@@ -190,12 +194,16 @@ class ParamGatherer:
             self._cursor[direction] = len(order)  # the order changed: no more guesses this step
             return
         self._cursor[direction] = position + 1
+        # Units already in flight count against the look-ahead, so at most prefetch_numel
+        # elements are prefetched and not yet used, however many fetches come in between.
         budget = self.prefetch_numel
         for index in order[position + 1 :]:
             upcoming = self.units[index]
+            size = _unit_numel(upcoming)
+            if upcoming.state is UnitState.GATHERING:
+                budget -= size
             if upcoming.state is not UnitState.SHARDED:
                 continue
-            size = _unit_numel(upcoming)
             live = sum(_unit_numel(u) for u in self.units if u.state is not UnitState.SHARDED)
             too_many = self.max_live_numel is not None and live + size > self.max_live_numel
             if size > budget or too_many:
@@ -332,6 +340,16 @@ class _FrozenBucket:
         self.param_buffer = None
         self.pending = None
         self.master = None
+
+
+def collective_failure(rank: int, what: str, error: Exception) -> RuntimeError:
+    """The error for a failed stage-3 collective, naming its usual cause."""
+    return RuntimeError(
+        f"rank {rank}: {what} failed under ZeRO stage 3: {error}. The usual cause is ranks "
+        "running different modules in a micro-batch (every rank must run the same modules in "
+        "the same order, see docs/stages.md); run with TORCH_DISTRIBUTED_DEBUG=DETAIL to have "
+        "torch name the first collective that differs"
+    )
 
 
 def _unit_numel(unit: Unit) -> int:

@@ -363,7 +363,15 @@ class ZeroOptimizer:
             self._finish(self._in_flight.popleft())
 
     def _finish(self, bucket: Bucket) -> None:
-        bucket.handle.wait()
+        try:
+            bucket.handle.wait()
+        except RuntimeError as error:
+            if self.settings.stage != 3:
+                raise
+            from .stage3 import collective_failure
+
+            what = f"the gradient reduce-scatter of bucket {bucket.layout.index}"
+            raise collective_failure(self.comm.rank, what, error) from error
         if bucket.recv is not None:
             if self._first_reduce:
                 bucket.grad_shard.copy_(bucket.recv)

@@ -496,3 +496,41 @@ def test_stage3_prefetch():
     for _, diff, norms in results.values():
         assert diff <= 1e-6
         assert norms == results[0][2]  # prefetching changes nothing numerically
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, n) for n in (8, 8, 1))
+
+    def forward(self, x, skip):
+        h = self.a(x)
+        return self.c(h if skip else self.b(h)).pow(2).mean()
+
+
+def skip_a_module():
+    """Rank 1 skips module b in the second step (breaking stage 3's rule)."""
+    import zero
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_module_granularity_threshold": 10,
+        },
+    }
+    engine, _, _, _ = zero.initialize(model=Branchy(), config=cfg)
+    for step in range(3):
+        loss = engine(torch.randn(2, 8), skip=step == 1 and engine.rank == 1)
+        engine.backward(loss)
+        engine.step()
+
+
+def test_stage3_rank_skipping_a_module_fails_with_a_clear_error():
+    with pytest.raises(RuntimeError) as failure:
+        run_ranks(skip_a_module, 2, timeout=120)
+    message = str(failure.value)
+    assert "failed under ZeRO stage 3" in message, message
+    assert "every rank must run the same modules" in message
