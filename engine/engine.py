@@ -339,7 +339,7 @@ class Engine(torch.nn.Module):
 
         At the boundary: unscale, check overflow (fp16), clip to gradient_clipping, step the
         optimizer on the owned shards, all-gather parameters, step the lr scheduler (not on a
-        skipped step).
+        skipped step), and broadcast rank 0's floating-point buffers.
         """
         if self.phase is not Phase.BACKWARD:
             raise RuntimeError(
@@ -356,12 +356,31 @@ class Engine(torch.nn.Module):
                     self.lr_scheduler.step()
             else:
                 self.skipped_steps += 1
+            self._sync_buffers()
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
             self.comm.ledger.end_step()
             self.monitor.on_step(self)
         self.micro_steps += 1
         self.phase = Phase.IDLE
+
+    def _sync_buffers(self) -> None:
+        """Give every rank rank 0's floating-point buffers (BatchNorm running statistics, which
+        each rank updates from its own micro-batches), as DDP's broadcast_buffers does: one
+        broadcast per dtype. Collective."""
+        if self.comm.world_size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in self.module.buffers():
+            if buffer.is_floating_point() and buffer.numel():
+                by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        for buffers in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            self.comm.broadcast(flat, src=0)
+            offset = 0
+            for buffer in buffers:
+                buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+                offset += buffer.numel()
 
     # ----- full weights (stage 3 gathers them) ------------------------------------------
     def _gather_for_state_dict(self, module, prefix, keep_vars) -> None:
