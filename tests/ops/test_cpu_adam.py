@@ -85,6 +85,23 @@ def test_low_precision_copy_equals_cast(cpu_adam_op, numel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_large_low_precision_copy_is_streamed_exactly(cpu_adam_op, dtype):
+    # From stream_copy_min_numel elements on, the copy is written with streaming stores, after
+    # a scalar head up to the first vector-aligned address of each thread's chunk. An output
+    # one element past an aligned address and an odd count cover the head, the vector loop and
+    # the tail.
+    numel = cpu_adam_op.stream_copy_min_numel + 5
+    gen = torch.Generator().manual_seed(3)
+    param = torch.nn.Parameter(torch.randn(numel, generator=gen))
+    out = torch.empty(numel + 1, dtype=dtype)[1:]
+    opt = CPUAdam([param], lr=1e-2, weight_decay=0.1, use_op=True)
+    for _ in range(2):
+        param.grad = torch.randn(numel, generator=gen)
+        opt.step_with_copy({param: out})
+        assert torch.equal(out, param.detach().to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_rounding_edges(cpu_adam_op, dtype):
     # lr 0 and no decay leave the parameters as they are, so the copy is the cast of the input:
     # ties (round to even), values that overflow fp16, subnormals, infinities and NaN.
@@ -153,6 +170,20 @@ def test_op_and_reference_agree_with_copy(cpu_adam_op):
     cpu_adam_op.adam_step(*op_tensors, *args, op_out)
     for ours, ref in zip(op_tensors, tensors):
         _assert_close(ours, ref)
+
+
+def test_traffic_only_step(cpu_adam_op):
+    # The benchmark's memory bound: x += scale * grads for params and both moments; scale 0.5
+    # keeps every product exact, so the result equals torch's bit for bit.
+    gen = torch.Generator().manual_seed(4)
+    params, grads, exp_avg, exp_avg_sq = (torch.randn(100_003, generator=gen) for _ in range(4))
+    expected = [t + 0.5 * grads for t in (params, exp_avg, exp_avg_sq)]
+    cpu_adam_op.traffic_only_step(params, grads, exp_avg, exp_avg_sq, 0.5)
+    for actual, wanted in zip((params, exp_avg, exp_avg_sq), expected):
+        assert torch.equal(actual, wanted)
+    cpu_adam_op.traffic_only_step(params, grads, exp_avg, exp_avg_sq, 0.0)
+    for actual, wanted in zip((params, exp_avg, exp_avg_sq), expected):
+        assert torch.equal(actual, wanted)
 
 
 def test_rejects_bad_inputs(cpu_adam_op):
