@@ -29,6 +29,7 @@ _MODULES = {
     "optim": "optim",
     "lr_schedules": "lr_schedules",
     "ops": "ops",
+    "init": "init",
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])

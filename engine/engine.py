@@ -34,6 +34,17 @@ from .stages import ReduceSettings, ZeroOptimizer
 logger = logging.getLogger("zero")
 
 
+def check_implemented(config) -> None:
+    """Raise NotImplementedError, naming the key, for valid config values zero does not run."""
+    for key in ("offload_param", "offload_optimizer"):
+        block = getattr(config.zero, key)
+        if block is not None and block.device == "nvme":
+            raise NotImplementedError(
+                f"zero_optimization.{key}.device 'nvme' (ZeRO-Infinity) is not implemented; "
+                'use "cpu" or "none"'
+            )
+
+
 class Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
@@ -60,13 +71,7 @@ class Engine(torch.nn.Module):
         mpu=None,
     ):
         super().__init__()
-        for key in ("offload_param", "offload_optimizer"):
-            block = getattr(config.zero, key)
-            if block is not None and block.device == "nvme":
-                raise NotImplementedError(
-                    f"zero_optimization.{key}.device 'nvme' (ZeRO-Infinity) is not implemented; "
-                    'use "cpu" or "none"'
-                )
+        check_implemented(config)
         if config.grad_accum_dtype != torch.float32:
             raise NotImplementedError(
                 "data_types.grad_accum_dtype: only fp32 gradient accumulation is implemented; "
@@ -265,7 +270,7 @@ class Engine(torch.nn.Module):
         Collective."""
         for _, param in self._frozen_named(named_groups):
             if is_partitioned(param):
-                param.data = take_full(param, self.comm).to(param.device)
+                param.data = take_full(param).to(param.device)
 
     def _build_scheduler(self, lr_scheduler, optimizer):
         if lr_scheduler is not None:

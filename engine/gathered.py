@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from .init import gather_in_place, is_partitioned, release_in_place
+
 # id(param) -> the ZeroOptimizer that lays it out (weak, so engines can be garbage collected).
 _OWNER: dict[int, weakref.ref] = {}
 
@@ -37,7 +39,9 @@ def _buckets(optimizer) -> list:
 class GatheredParameters:
     """Context manager; params: one parameter or an iterable of them. Parameters zero does not
     partition (frozen ones below stage 3, or of a model without an engine) pass through
-    unchanged.
+    unchanged. Parameters of a model built under zero.Init and not yet given to
+    zero.initialize are gathered too (and partitioned again on exit, from modifier_rank's values
+    when it is set). Contexts nest: a unit stays gathered until the outermost one exits.
 
     Raises ValueError for a modifier_rank outside the data-parallel group.
     """
@@ -49,6 +53,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._units = []
+        self._init_params = []  # zero.Init parameters gathered by this context
 
     def _owner(self):
         for param in self.params:
@@ -58,12 +63,13 @@ class GatheredParameters:
         return None
 
     def __enter__(self):
-        optimizer = self._owner() if self.enabled else None
+        if not self.enabled:
+            return self
+        self._enter_init_params()
+        optimizer = self._owner()
         if optimizer is None:
             return self
-        world = optimizer.comm.world_size
-        if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
-            raise ValueError(f"modifier_rank={self.modifier_rank} is outside 0..{world - 1}")
+        self._check_modifier(optimizer.comm.world_size)
         gatherer = optimizer.gatherer
         if gatherer is not None:
             units = {id(u): u for p in self.params if (u := gatherer.unit_of(p)) is not None}
@@ -71,18 +77,38 @@ class GatheredParameters:
             for unit in self._units:
                 gatherer.fetch(unit)
                 unit.pinned = True
+                unit.holds += 1
         return self
 
     def __exit__(self, *exc):
-        optimizer = self._owner() if self.enabled else None
+        if not self.enabled:
+            return False
+        for param in self._init_params:
+            release_in_place(param, src=self.modifier_rank or 0)
+        optimizer = self._owner()
         if optimizer is None:
             return False
         if self.modifier_rank is not None:
             with torch.no_grad():
                 _publish_modification(optimizer, self.params, self.modifier_rank)
         for unit in self._units:
-            optimizer.gatherer.release(unit, force=True)
+            unit.holds -= 1
+            if unit.holds == 0:
+                optimizer.gatherer.release(unit, force=True)
         return False
+
+    def _check_modifier(self, world: int) -> None:
+        if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
+            raise ValueError(f"modifier_rank={self.modifier_rank} is outside 0..{world - 1}")
+
+    def _enter_init_params(self) -> None:
+        """Gather the zero.Init parameters (built partitioned, no engine yet). Collective."""
+        fresh = [p for p in self.params if is_partitioned(p) and not p.zero_shard.gathered]
+        self._init_params = list({id(p): p for p in fresh}.values())
+        if self._init_params:
+            self._check_modifier(self._init_params[0].zero_shard.comm.world_size)
+        for param in self._init_params:
+            gather_in_place(param)
 
 
 def _publish_modification(optimizer, params, src: int) -> None:

@@ -17,9 +17,11 @@ Construction code often re-initializes children from the parent (GPT-2 style
 `self.apply(self._init_weights)` at the end of __init__), ties weights, or reads shapes. A
 TorchFunctionMode active inside the context catches every torch operation on a partitioned
 parameter: the parameter is all-gathered (its full value, on the device it was built on) just
-before the operation, and stays gathered until an operation touches a different partitioned
-parameter, a module finishes __init__, or the context ends; then it is re-partitioned (broadcast
-from rank 0, slice kept). Aliases taken through `.data` or views are written through until then.
+before the operation, and stays gathered while it is among the KEEP_GATHERED (4) parameters
+touched most recently, until a module finishes __init__, or until the context ends; then it is
+re-partitioned (broadcast from rank 0, slice kept). Aliases taken through `.data` or views
+(`b.weight.data.copy_(a.weight.data)`) are written through while their parameter is gathered;
+a write through an alias kept across more than four other parameters' operations is lost.
 So values equal an ordinary construction on rank 0 with the same seed, random draws included.
 Gathering is collective: every rank must build the same modules and touch the same parameters
 in the same order, which construction code does unless it branches on the rank.
@@ -38,20 +40,38 @@ from .accelerator import detect_accelerator
 from .comm import Communicator, init_process_group, read_launch_env
 
 _ACTIVE = None  # the Init context in force (contexts do not nest: an inner one does nothing)
+# Parameters kept gathered inside the context after their last touch (see [Note: touching a
+# partitioned parameter]); enough for code that aliases a few parameters at once.
+KEEP_GATHERED = 4
 
 
 class InitShard:
     """This rank's slice of a parameter built under zero.Init.
 
     shape: the full shape. data: (ceil(numel / N),) the rank's slice, zero-padded, in the
-    parameter's dtype. gathered: the parameter holds its full value right now.
+    parameter's dtype, on `device` (page-locked when `pin` and CUDA exists). comm: the
+    data-parallel Communicator it is partitioned over, whose collectives run on `comm_device`.
+    home: the device the parameter was built on (its placeholder's). gathered: the parameter
+    holds its full value right now.
     """
 
-    def __init__(self, shape: torch.Size, data: torch.Tensor, home: torch.device):
-        self.shape = shape
-        self.data = data
-        self.home = home  # the device the parameter was built on (its placeholder's device)
+    def __init__(self, full: torch.Tensor, home, comm: Communicator, comm_device, device, pin):
+        self.home, self.comm, self.comm_device = home, comm, comm_device
+        self.device, self.pin = device, pin
         self.gathered = False
+        self.keep(full)
+
+    def keep(self, full: torch.Tensor) -> None:
+        """Keep this rank's slice of `full` (the same on every rank)."""
+        self.shape = full.shape
+        part = -(-full.numel() // self.comm.world_size)
+        begin = min(self.comm.rank * part, full.numel())
+        end = min(begin + part, full.numel())
+        data = torch.zeros(part, dtype=full.dtype, device=self.device)
+        data[: end - begin].copy_(full.reshape(-1)[begin:end])
+        if self.pin and torch.cuda.is_available() and data.device.type == "cpu":
+            data = data.pin_memory()
+        self.data = data
 
     @property
     def numel(self) -> int:
@@ -73,25 +93,45 @@ def full_numel(param) -> int:
     return full_shape(param).numel()
 
 
-def gather_full(param, comm: Communicator) -> torch.Tensor:
-    """The full value of a zero.Init parameter: (full_shape,) on the shard's device.
-    Collective over the data-parallel group."""
+def gather_full(param) -> torch.Tensor:
+    """The full value of a zero.Init parameter: (full_shape,) on the collectives' device.
+    Collective over the group it is partitioned over."""
     shard = param.zero_shard
     if shard.gathered:
-        return param.data.to(shard.data.device)
-    out = torch.empty(
-        shard.data.numel() * comm.world_size, dtype=shard.data.dtype, device=shard.data.device
-    )
-    comm.all_gather(out, shard.data)
+        return param.data.to(shard.comm_device)
+    data = shard.data.to(shard.comm_device)
+    out = torch.empty(data.numel() * shard.comm.world_size, dtype=data.dtype, device=data.device)
+    shard.comm.all_gather(out, data)
     return out[: shard.numel].view(shard.shape)
 
 
-def take_full(param, comm: Communicator) -> torch.Tensor:
+def take_full(param) -> torch.Tensor:
     """gather_full(), then forget the zero.Init shard (the engine lays the parameter out from
     the returned value). The parameter keeps its 0-element placeholder. Collective."""
-    value = gather_full(param, comm)
+    value = gather_full(param)
     del param.zero_shard
     return value
+
+
+def gather_in_place(param) -> None:
+    """Give a zero.Init parameter its full value (on the device it was built on). Collective."""
+    shard = param.zero_shard
+    if not shard.gathered:
+        with torch.no_grad():
+            param.data = gather_full(param).to(shard.home, copy=True)
+        shard.gathered = True
+
+
+def release_in_place(param, src: int = 0) -> None:
+    """Partition a gathered zero.Init parameter again from rank `src`'s (possibly modified)
+    full value. Collective."""
+    shard = param.zero_shard
+    with torch.no_grad():
+        full = param.data.to(shard.comm_device, copy=True).contiguous()
+        shard.comm.broadcast(full, src=src)
+        shard.keep(full)
+        param.data = torch.empty(0, dtype=param.dtype, device=shard.home)
+    shard.gathered = False
 
 
 class Init:
@@ -142,13 +182,17 @@ class Init:
         self.comm = _data_parallel_comm(mpu, data_parallel_group)
         if source is not None and mpu is not None:
             cfg = load_config(source, world_size=self.comm.world_size)
+        if cfg is not None:
+            from .engine import check_implemented
+
+            check_implemented(cfg)
         offload = cfg is not None and cfg.zero.offload_param is not None
         offload = offload and cfg.zero.offload_param.device == "cpu"
         self.comm_device = accelerator.device  # where collectives run
         host = remote_device == "cpu" or offload
         self.device = torch.device("cpu") if host else accelerator.device  # where shards live
         self.pin_memory = pin_memory or (offload and cfg.zero.offload_param.pin_memory)
-        self._gathered: dict[int, torch.nn.Parameter] = {}
+        self._gathered: dict[int, torch.nn.Parameter] = {}  # in order of last touch
         self._patched: dict[type, object] = {}  # class -> its own __init__
         self._subclass_hook = None
         self._mode = None
@@ -209,58 +253,33 @@ class Init:
     def _partition(self, param) -> None:
         """Broadcast rank 0's value, keep this rank's slice. Collective."""
         with self._own_ops(), torch.no_grad():
-            home = param.device
             full = param.data.to(self.comm_device, copy=True).contiguous()
             self.comm.broadcast(full, src=0)
-            shard = self._slice(full)
-            param.zero_shard = InitShard(full.shape, shard, home)
-            param.data = torch.empty(0, dtype=param.dtype, device=home)
+            param.zero_shard = InitShard(
+                full, param.device, self.comm, self.comm_device, self.device, self.pin_memory
+            )
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
-    def _slice(self, full: torch.Tensor) -> torch.Tensor:
-        part = -(-full.numel() // self.comm.world_size)
-        begin = min(self.comm.rank * part, full.numel())
-        end = min(begin + part, full.numel())
-        shard = torch.zeros(part, dtype=full.dtype, device=self.device)
-        shard[: end - begin].copy_(full.reshape(-1)[begin:end])
-        if self.pin_memory and torch.cuda.is_available() and shard.device.type == "cpu":
-            shard = shard.pin_memory()
-        return shard
-
-    def _gather(self, param) -> None:
-        with self._own_ops(), torch.no_grad():
-            full = gather_full(param, self.comm)
-            param.data = full.to(param.zero_shard.home, copy=True)
-            param.zero_shard.gathered = True
-            self._gathered[id(param)] = param
-
-    def _release(self, param) -> None:
-        """Re-partition a gathered parameter from rank 0's (possibly modified) value."""
-        with self._own_ops(), torch.no_grad():
-            shard = param.zero_shard
-            full = param.data.to(self.comm_device, copy=True).contiguous()
-            self.comm.broadcast(full, src=0)
-            shard.data = self._slice(full)
-            shard.shape = full.shape
-            shard.gathered = False
-            param.data = torch.empty(0, dtype=param.dtype, device=shard.home)
-        del self._gathered[id(param)]
-
-    def _release_all(self, keep=()) -> None:
-        for key, param in list(self._gathered.items()):
-            if key not in keep:
-                self._release(param)
+    def _release_all(self, keep: int = 0) -> None:
+        """Partition again all but the `keep` most recently touched gathered parameters."""
+        while len(self._gathered) > keep:
+            param = self._gathered.pop(next(iter(self._gathered)))
+            with self._own_ops():
+                release_in_place(param)
 
     def _own_ops(self):
         return _Busy(self)
 
     def touch(self, params) -> None:
-        """Before an operation on `params` (partitioned parameters): release the other gathered
-        parameters, gather these."""
-        keep = {id(p) for p in params}
-        self._release_all(keep)
+        """Before an operation on `params` (partitioned parameters): gather them; of the other
+        gathered parameters the most recently touched stay gathered (KEEP_GATHERED in all), so
+        `a.data.copy_(b.data)` and similar aliases across a few parameters work."""
         for param in params:
-            if not param.zero_shard.gathered:
-                self._gather(param)
+            self._gathered.pop(id(param), None)
+            with self._own_ops():
+                gather_in_place(param)
+            self._gathered[id(param)] = param  # most recent last
+        self._release_all(keep=max(KEEP_GATHERED, len(params)))
 
 
 class _Busy:

@@ -47,6 +47,7 @@ class Unit:
     state: UnitState = UnitState.SHARDED
     pinned: bool = False  # gathered until the end of backward (used outside its forward)
     persistent: bool = False  # small parameters: gathered after every step, never released
+    holds: int = 0  # open zero.GatheredParameters contexts that gathered this unit
 
 
 def choose_units(
@@ -292,7 +293,7 @@ class FrozenShards:
             bucket = _FrozenBucket(layout, [by_name[slot.name] for slot in layout.slots])
             full = torch.zeros(layout.padded_numel, dtype=dtype, device=self.device)
             for slot, param in zip(layout.slots, bucket.params):
-                value = take_full(param, comm) if is_partitioned(param) else param.detach()
+                value = take_full(param) if is_partitioned(param) else param.detach()
                 full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
                 self._place[id(param)] = (bucket, slot)
             begin, end = layout.owned_range(comm.rank)

@@ -216,7 +216,7 @@ class ZeroOptimizer:
         full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         for slot, param in zip(layout.slots, bucket.params):
             # A zero.Init parameter is gathered here, one at a time (collective).
-            value = take_full(param, self.comm) if is_partitioned(param) else param.detach()
+            value = take_full(param) if is_partitioned(param) else param.detach()
             full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
         if self.settings.stage != 3:
             bucket.param_buffer.copy_(full)

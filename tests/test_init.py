@@ -56,6 +56,8 @@ class TinyGPT(nn.Module):
             if name.endswith("proj.weight"):
                 nn.init.normal_(param, std=0.02 / math.sqrt(2 * LAYERS))
         self.embed.weight.data[0].zero_()  # a write through a .data view
+        # an alias of one parameter written from another's: both must stay gathered
+        self.frozen.weight.data.copy_(self.blocks[0].proj.weight.data[:, :DIM])
         self.num_params = sum(p.numel() for p in self.parameters())
 
     @staticmethod
@@ -132,14 +134,11 @@ def train(model, stage, steps=3):
 def sweep():
     import torch.distributed as dist
 
-    from zero.comm import Communicator
     from zero.init import full_shape, gather_full, is_partitioned
 
     out = {}
     linear_init, subclass_hook = nn.Linear.__init__, nn.Module.__dict__.get("__init_subclass__")
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    comm = Communicator(None, dist.get_rank(), world)
     reference = build(init=False, stage=3)
     model = build(init=True, stage=3)
     out["first_block_partitioned"] = model.first_block_partitioned
@@ -148,7 +147,7 @@ def sweep():
     values, held = {}, {}
     for name, param in model.named_parameters():
         held[name] = (param.numel(), param.zero_shard.data.numel(), tuple(full_shape(param)))
-        values[name] = torch.equal(gather_full(param, comm), reference.get_parameter(name))
+        values[name] = torch.equal(gather_full(param), reference.get_parameter(name))
         assert is_partitioned(param)
     out["held"], out["values_equal"] = held, values
     out["requires_grad"] = [p.requires_grad for p in model.parameters()]
@@ -167,8 +166,32 @@ def sweep():
                 self.w = nn.Parameter(torch.arange(12.0).view(4, 3))
 
         late = Late()
-    out["late"] = (late.w.numel(), gather_full(late.w, comm).tolist())
+    out["late"] = (late.w.numel(), gather_full(late.w).tolist())
+    # GatheredParameters before zero.initialize: read, then modify on rank 1
+    with zero.GatheredParameters(model.pos):
+        out["gathered_read"] = torch.equal(model.pos, reference.pos)
+    with zero.GatheredParameters(model.pos, modifier_rank=1):
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                model.pos[0].fill_(5.0)
+    out["modified"] = (model.pos.numel(), gather_full(model.pos)[0].tolist())
+    # a config zero cannot run is refused before anything is built
+    nvme = config(3)
+    nvme["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/tmp"}
+    try:
+        zero.Init(config=nvme)
+        out["nvme"] = None
+    except NotImplementedError as error:
+        out["nvme"] = str(error)
     # engines: a zero.Init model trains exactly like an ordinary one
+    # nested GatheredParameters on an engine's stage-3 parameter: the outer one keeps it
+    engine, _, _, _ = zero.initialize(model=build(init=True, stage=3), config=config(3))
+    weight = engine.module.blocks[1].fc.weight
+    with zero.GatheredParameters(weight):
+        with zero.GatheredParameters(weight):
+            pass
+        out["nested"] = weight.numel()
+    out["nested_after"] = weight.numel()
     for stage in (3, 2):
         want, _ = train(build(init=False, stage=stage), stage)
         got, memory = train(build(init=True, stage=stage), stage)
@@ -189,6 +212,10 @@ def test_values_equal_an_ordinary_construction_on_rank_0(per_rank):
         assert res["num_params"][0] == res["num_params"][1]
         assert res["tied"] and res["patches_restored"]
         assert res["late"] == (0, torch.arange(12.0).view(4, 3).tolist())
+        assert res["gathered_read"]
+        assert res["modified"] == (0, [5.0] * DIM)
+        assert "offload_param.device 'nvme'" in res["nvme"]
+        assert res["nested"] == 3 * DIM * DIM and res["nested_after"] == 0
         assert res["requires_grad"].count(False) == 2  # the frozen layer
 
 
