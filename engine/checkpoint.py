@@ -36,6 +36,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .progress import progress
+
 logger = logging.getLogger("zero")
 
 FORMAT = "zero-checkpoint/1"
@@ -224,7 +226,8 @@ def _write_rank_file(engine, directory: str) -> None:
         state = engine.optimizer.optimizer.state
         kinds = _sharded_state_keys(engine)
         for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items():
-            for index, (lo, hi, bucket) in enumerate(ranges):
+            bar = progress(ranges, f"save group {group}", rank=engine.global_rank, unit="bucket")
+            for index, (lo, hi, bucket) in enumerate(bar):
                 # The owned, unpadded part of a bucket is the head of its shard (padding is at
                 # the end); a prefix view is written without a copy.
                 tensors[f"group{group}.master.{index}"] = bucket.master[: hi - lo].float().cpu()
@@ -286,7 +289,7 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, directory: str)
         ],
         "ties": _ties(engine.module),
         "ranks": ranks,
-        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "optimizer": optimizer_name(engine.optimizer.optimizer),
         "sharded_state": _sharded_state_keys(engine),
         "scalar_state": _scalar_state(engine),
         "param_groups": _jsonable(groups),
@@ -550,11 +553,11 @@ def _verify(engine, load_dir, tag, strict, load_optimizer):
     problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)] + module_problems
     if problems:
         raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
-    optimizer_name = type(engine.optimizer.optimizer).__name__
-    if load_optimizer and meta["optimizer"] != optimizer_name:
+    current = optimizer_name(engine.optimizer.optimizer)
+    if load_optimizer and meta["optimizer"] != current:
         raise CheckpointError(
             f"{os.path.join(path, META)}: optimizer {meta['optimizer']!r} was saved, this run uses "
-            f"{optimizer_name!r}; pass load_optimizer_states=False to load the weights only"
+            f"{current!r}; pass load_optimizer_states=False to load the weights only"
         )
     kinds = ["master"] + (meta["sharded_state"] if load_optimizer else [])
     reader = GroupReader(path, meta)
@@ -569,6 +572,16 @@ def _verify(engine, load_dir, tag, strict, load_optimizer):
             reader.check(group, kind, lo, hi)
     _read_rng(path, meta, engine.comm.rank)
     return path, meta, reader, owned, kinds, module_values
+
+
+def optimizer_name(optimizer) -> str:
+    """The algorithm an optimizer runs, as recorded in meta.json: zero's CPUAdam and FusedAdam
+    (what offload and the CUDA path put in place of the config's Adam/AdamW) count as "Adam" or
+    "AdamW" by their mode, so a checkpoint resumes with offload switched on or off."""
+    name = type(optimizer).__name__
+    if name in ("CPUAdam", "FusedAdam"):
+        return "AdamW" if optimizer.param_groups[0]["adamw_mode"] else "Adam"
+    return name
 
 
 def _laid_out_ids(engine) -> set[int]:
@@ -613,7 +626,7 @@ def _as_tuple(value):
 
 def _read_shards(engine, meta, reader, owned, kinds, load_optimizer: bool) -> None:
     state = engine.optimizer.optimizer.state
-    for group, lo, hi, bucket in owned:
+    for group, lo, hi, bucket in progress(owned, "load", rank=engine.global_rank, unit="range"):
         for kind in kinds:
             if kind == "master":
                 target = bucket.master
@@ -674,7 +687,7 @@ def consolidate(checkpoint_dir: str, tag: str | None = None, state: str = "maste
         total = sum(_numel(p["shape"]) for p in params)
         flat = reader.read(group, state, 0, total)
         offset = 0
-        for p in params:
+        for p in progress(params, f"consolidate group {group}", unit="tensor"):
             n = _numel(p["shape"])
             out[p["name"]] = flat[offset : offset + n].view(p["shape"]).clone()
             offset += n
@@ -714,7 +727,7 @@ def save_consolidated(state_dict: dict, output: str, max_shard_bytes: int | None
     shards.append(current)
     stem = output[: -len(".safetensors")] if output.endswith(".safetensors") else output
     files, index = [], {}
-    for i, shard in enumerate(shards):
+    for i, shard in enumerate(progress(shards, "write", unit="file")):
         file = f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         _save_safetensors(shard, file)
         files.append(file)

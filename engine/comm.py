@@ -39,6 +39,10 @@ class CommLedger:
 
     current: dict[str, OpTotals] = field(default_factory=dict)
     last_step: dict[str, OpTotals] = field(default_factory=dict)
+    # While timing is on: seconds the caller waited for each collective kind in this step (a
+    # synchronous collective's whole call, an asynchronous one's launch and wait()), i.e. the
+    # communication that did not overlap compute (monitor.py, [Note: step-time breakdown]).
+    waited: dict[str, float] = field(default_factory=dict)
 
     def record(self, op: str, elements: int, element_size: int) -> None:
         """Count one collective of `elements` (paper units) of `element_size` bytes each."""
@@ -47,13 +51,15 @@ class CommLedger:
         totals.elements += elements
         totals.bytes += elements * element_size
 
-    def add_time(self, op: str, seconds: float) -> None:
-        """Add the launch-to-completion time of one collective of kind `op`."""
+    def add_time(self, op: str, seconds: float, waited: float = 0.0) -> None:
+        """Add the launch-to-completion and the waited seconds of one collective of kind `op`."""
         self.current.setdefault(op, OpTotals()).seconds += seconds
+        self.waited[op] = self.waited.get(op, 0.0) + waited
 
     def end_step(self) -> None:
         """Close the optimizer step: its totals move to `last_step`, counting restarts at 0."""
         self.last_step, self.current = self.current, {}
+        self.waited = {}
 
 
 class Handle:
@@ -61,14 +67,15 @@ class Handle:
 
     def __init__(self, work=None, on_done=None):
         self._work = work
-        self._on_done = on_done  # timing: called once the collective has finished
+        self._on_done = on_done  # timing: on_done(wait_start) once the collective has finished
 
     def wait(self) -> None:
+        start = time.perf_counter()
         if self._work is not None:
             self._work.wait()
             self._work = None
         if self._on_done is not None:
-            self._on_done()
+            self._on_done(start)
             self._on_done = None
 
 
@@ -84,15 +91,18 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.ledger = CommLedger()
-        # [Note: collective timing] comms_logger: None = no timing; else the collective names to
-        # time (an empty set times all). A collective's time runs from its launch until its
-        # wait() returns (for asynchronous ones this includes the compute it overlapped with); on
-        # CUDA the wait synchronizes the device so the time is the transfer's, not the launch's.
+        # [Note: collective timing] None = no timing; else the collective names whose `seconds`
+        # are measured (an empty set: all). A collective's `seconds` run from its launch until
+        # its wait() returns (for asynchronous ones this includes the compute it overlapped
+        # with); on CUDA the wait synchronizes the device so the time is the transfer's, not the
+        # launch's. The caller's waiting (ledger.waited, for wall_clock_breakdown) is measured
+        # for every collective while timing is on.
         self.timing: frozenset | None = None
         self.verbose = False  # log every collective as it is issued
 
     def enable_timing(self, ops=(), verbose: bool = False) -> None:
-        """Time collectives named in `ops` (all when empty) into the ledger's `seconds`."""
+        """Time collectives named in `ops` (all when empty) into the ledger's `seconds`, and
+        every collective's waiting into `ledger.waited`."""
         self.timing = frozenset(ops)
         self.verbose = verbose
 
@@ -106,16 +116,21 @@ class Communicator:
 
     def _run(self, op: str, tensor: torch.Tensor, launch, async_op: bool) -> Handle:
         """Launch a collective (launch() returns torch's work or None) and time it if asked."""
-        if self.timing is None or (self.timing and op not in self.timing):
+        if self.timing is None:
             return Handle(launch())
+        timed = not self.timing or op in self.timing
         start = time.perf_counter()
+        work = launch()
+        launching = time.perf_counter() - start  # a synchronous collective runs in here
 
-        def done() -> None:
+        def done(wait_start: float) -> None:
             if tensor.is_cuda:
                 torch.cuda.synchronize(tensor.device)
-            self.ledger.add_time(op, time.perf_counter() - start)
+            end = time.perf_counter()
+            seconds = end - start if timed else 0.0
+            self.ledger.add_time(op, seconds, launching + end - wait_start)
 
-        handle = Handle(launch(), on_done=done)
+        handle = Handle(work, on_done=done)
         if not async_op:
             handle.wait()
         return handle

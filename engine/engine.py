@@ -143,10 +143,13 @@ class Engine(torch.nn.Module):
         self._step_applied = False
         self._cast_rest(config.compute_dtype)
         # ----- observability (engine/monitor.py, engine/memory.py; docs/observability.md) -----
+        # Construction traffic (the stage-3 persistent unit's first all-gather) is no step's.
+        comm.ledger.end_step()
         self.monitor = StepMonitor(config, comm.rank, self.optimizer.layout.numel, self.device)
         logs = config.comms_logger
         if logs.enabled:
             comm.enable_timing(() if logs.prof_all else logs.prof_ops, logs.verbose)
+        self.monitor.attach(comm)  # wall_clock_breakdown: reduce / all_gather from step 1
         # ----- end observability -----
 
     # ----- construction -------------------------------------------------------------------

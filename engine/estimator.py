@@ -1,14 +1,13 @@
-"""zero-estimate: plan a run before renting the cluster (model states and communication).
+"""zero-estimate: plan a run before renting the cluster (memory and communication per stage).
 
 Given a parameter count (or a model factory, laid out exactly as the engine would) and the
-cluster shape, print for stages 0-3, with and without optimizer offload, the model-state bytes
-per device and per host, the per-step communication volume in units of Psi, and recommend the
-lowest stage that fits. The byte figures are zero's own conventions (engine/memory.py, [Note: the
-two formulas]): fp32 gradient accumulation and buckets padded to a multiple of the data-parallel
-degree, so they match engine.memory_report() of a real run.
-
-Activations, gathered stage-3 units and transient gradient buckets are not model states and are
-not estimated; the fit check keeps `headroom` of device memory free for them.
+cluster shape, print for stages 0-3, with and without optimizer offload, the bytes per device
+(model states, zero's buffers and, given the transformer's shape, activations: the predicted
+peak of a training step) and per host, the per-step communication volume in units of Psi, and
+recommend the lowest stage that fits. Model states follow zero's own conventions
+(engine/memory.py, [Note: the two formulas]): fp32 gradient accumulation and buckets padded to a
+multiple of the data-parallel degree, so they match engine.memory_report() of a real run. Buffers,
+activations and the peak are engine/footprint.py's formulas.
 """
 
 import argparse
@@ -19,6 +18,16 @@ import re
 import sys
 from dataclasses import dataclass
 
+from .footprint import (
+    GLIBC_RETENTION,
+    Activations,
+    BufferSettings,
+    LayoutSummary,
+    Peak,
+    TransformerShape,
+    activation_bytes,
+    peak_bytes,
+)
 from .memory import ModelStateSpec, model_state_formula, offloaded_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -40,15 +49,70 @@ class Cluster:
 
 
 @dataclass(frozen=True)
+class Options:
+    """What the estimate assumes besides the model and the cluster (DeepSpeed key in brackets).
+
+    dtype: compute dtype, "bf16", "fp16" or "fp32" [bf16/fp16.enabled]. reduce_dtype: dtype of the
+    gradient reduction, None for the compute dtype [communication_data_type]. Sizes in elements:
+    bucket_numel [reduce_bucket_size], allgather_numel [allgather_bucket_size], prefetch_numel
+    [stage3_prefetch_bucket_size], persistence_threshold [stage3_param_persistence_threshold],
+    unit_threshold [stage3_module_granularity_threshold, 0: bucket_numel].
+    gradient_accumulation_steps [same]. checkpointing: activation checkpointing of every layer.
+    cpu: the ranks are CPU processes (gloo copies collective buffers; glibc's heap retention,
+    footprint [Note: CPU ranks]). runtime_bytes: memory besides tensors per rank (a CUDA context,
+    CPU kernel workspaces), bytes. headroom: fraction of device and host memory the fit check
+    keeps free (allocator fragmentation).
+    """
+
+    dtype: str = "bf16"
+    reduce_dtype: str | None = None
+    bucket_numel: int = 500_000_000
+    allgather_numel: int = 500_000_000
+    prefetch_numel: int = 50_000_000
+    persistence_threshold: int = 100_000
+    unit_threshold: int = 0
+    gradient_accumulation_steps: int = 1
+    checkpointing: bool = False
+    cpu: bool = False
+    runtime_bytes: int = 0
+    headroom: float = 0.2
+
+    @classmethod
+    def from_config(cls, config, **overrides) -> "Options":
+        """The options a zero Config (zero.load_config) sets; `overrides` replace fields."""
+        zero = config.zero
+        dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+        values = dict(
+            dtype=dtype[str(config.compute_dtype)],
+            reduce_dtype=config.communication_data_type,
+            bucket_numel=zero.reduce_bucket_size,
+            allgather_numel=zero.allgather_bucket_size,
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            unit_threshold=zero.stage3_module_granularity_threshold,
+            gradient_accumulation_steps=config.gradient_accumulation_steps or 1,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class Estimate:
-    """One row: per-device and per-host model-state bytes, comm volume in Psi, fit."""
+    """One row. Bytes: model_states, buffers and activations at the peak, per_device (the
+    predicted peak of one rank: all of it), per_host (the offloaded states of the node's ranks;
+    with CPU ranks, the node's processes in full). comm_psi: elements per rank per optimizer step
+    in Psi. `peak` holds the parts."""
 
     stage: int
     offload: bool
+    model_states: int
+    buffers: int
+    activations: int
     per_device: int
     per_host: int
     comm_psi: float
     fits: bool
+    peak: Peak | None = None
 
 
 def parse_size(text: str) -> int:
@@ -70,65 +134,127 @@ def padded_numel(num_params: int, num_shards: int, bucket_numel: int) -> int:
     return num_params + num_buckets * (num_shards - 1) // 2
 
 
-def layout_numel(model, num_shards: int, bucket_numel: int, stage: int) -> int:
-    """Psi with padding, exactly as the engine lays out `model` (one param group, trainable)."""
+def count_layout(num_params: int, num_shards: int, bucket_numel: int) -> LayoutSummary:
+    """A LayoutSummary from a parameter count: full buckets of bucket_numel elements and, for
+    stage 3, fetch units of the same size (the engine's default unit threshold); no persistent
+    parameters (their count needs the model)."""
+    padded = padded_numel(num_params, num_shards, bucket_numel)
+    bucket = min(padded, bucket_numel)
+    buckets = (bucket,) * max(1, math.ceil(padded / bucket))
+    return LayoutSummary(padded, buckets, 0, buckets)
+
+
+def model_layout(model, num_shards: int, stage: int, options: Options) -> LayoutSummary:
+    """The exact LayoutSummary of `model` (may live on the meta device), one param group of its
+    trainable parameters, laid out as the engine does (stage 3: its fetch units)."""
     from .flat import FlatLayout
     from .stage3 import choose_units
 
-    unit_of = choose_units(model, bucket_numel)[1] if stage == 3 else None
+    units, unit_of = [], None
+    if stage == 3:
+        threshold = options.unit_threshold or options.bucket_numel
+        units, unit_of = choose_units(model, threshold, (), options.persistence_threshold)
     seen, named = set(), []
     for name, param in model.named_parameters():
         if param.requires_grad and param.numel() and id(param) not in seen:
             seen.add(id(param))
             named.append((name, param))
-    return FlatLayout([named], bucket_numel, num_shards, unit_of).padded_numel
+    layout = FlatLayout([named], options.bucket_numel, num_shards, unit_of)
+    per_unit = [0] * len(units)
+    for bucket in layout.buckets if units else ():
+        per_unit[bucket.unit] += bucket.padded_numel
+    persistent = sum(n for unit, n in zip(units, per_unit) if unit.persistent)
+    others = [n for unit, n in zip(units, per_unit) if not unit.persistent]
+    return LayoutSummary(
+        layout.padded_numel,
+        tuple(sorted((b.padded_numel for b in layout.buckets), reverse=True)),
+        persistent,
+        tuple(sorted(others, reverse=True)),
+    )
 
 
-def comm_psi(stage: int, gradient_accumulation_steps: int = 1) -> float:
-    """Expected elements per rank per optimizer step, in Psi (paper section 7): 2 for stages 0-1;
-    stage 2 reduce-scatters every micro-batch (GAS + 1); stage 3 gathers twice and
-    reduce-scatters every micro-batch (3 GAS)."""
+def comm_psi(stage: int, gradient_accumulation_steps: int = 1, persistent: float = 0.0) -> float:
+    """Expected elements per rank per optimizer step, in Psi (paper section 7): 2 for stages 0-1
+    (reduced once, at the boundary); stage 2 reduce-scatters every micro-batch (GAS + 1); stage 3
+    gathers twice and reduce-scatters every micro-batch (3 GAS), except its persistent
+    parameters, the fraction `persistent` of Psi, which are reduce-scattered every micro-batch and
+    gathered once, after the step (GAS + 1)."""
     gas = gradient_accumulation_steps
-    return {0: 2.0, 1: 2.0, 2: gas + 1.0, 3: 3.0 * gas}[stage]
+    if stage == 3:
+        return 3.0 * gas * (1.0 - persistent) + (gas + 1.0) * persistent
+    return {0: 2.0, 1: 2.0, 2: gas + 1.0}[stage]
 
 
 def estimate_stage(
-    numel: int, stage: int, offload: bool, cluster: Cluster, dtype: str, headroom: float
+    layout: LayoutSummary,
+    stage: int,
+    offload: bool,
+    cluster: Cluster,
+    options: Options,
+    activations: Activations | None = None,
+    retention: int = 0,
 ) -> Estimate:
-    """Model-state bytes per device and per host for one stage (numel: padded Psi)."""
+    """Bytes per device and per host for one stage of `layout` (see Estimate); `retention`: the
+    allocator's resident excess (footprint [Note: CPU ranks])."""
     num_shards = 1 if stage == 0 else cluster.world_size
-    spec = ModelStateSpec(stage, numel, num_shards, DTYPE_BYTES[dtype], 8, offload)
+    compute = DTYPE_BYTES[options.dtype]
+    spec = ModelStateSpec(stage, layout.padded_numel, num_shards, compute, 8, offload)
     parts = model_state_formula(spec)
-    total = sum(v or 0 for v in parts.values())
     host_per_rank = offloaded_bytes(parts) if offload else 0
-    per_device = total - host_per_rank
-    per_host = host_per_rank * cluster.devices_per_node
-    fits = (
-        per_device <= (1 - headroom) * cluster.device_memory
-        and per_host <= (1 - headroom) * cluster.host_memory
+    states = sum(v or 0 for v in parts.values()) - host_per_rank
+    settings = BufferSettings(
+        stage,
+        num_shards,
+        compute,
+        DTYPE_BYTES[options.reduce_dtype or options.dtype],
+        options.gradient_accumulation_steps,
+        options.allgather_numel,
+        options.prefetch_numel,
+        options.cpu,
     )
-    return Estimate(stage, offload, per_device, per_host, comm_psi(stage), fits)
+    peak = peak_bytes(states, layout, settings, activations, options.runtime_bytes, retention)
+    # CPU ranks hold everything in host memory: a node holds devices_per_node processes.
+    per_host = (host_per_rank + (peak.total if options.cpu else 0)) * cluster.devices_per_node
+    on_device = 0 if options.cpu else peak.total
+    fits = (
+        on_device <= (1 - options.headroom) * cluster.device_memory
+        and per_host <= (1 - options.headroom) * cluster.host_memory
+    )
+    persistent = layout.persistent_numel / layout.padded_numel if stage == 3 else 0.0
+    comm = comm_psi(stage, options.gradient_accumulation_steps, persistent)
+    buffers = sum(peak.buffers.values())
+    acts = activations.peak if activations else 0
+    return Estimate(stage, offload, states, buffers, acts, peak.total, per_host, comm, fits, peak)
 
 
 def estimate(
     num_params: int,
     cluster: Cluster,
-    dtype: str = "bf16",
-    bucket_numel: int = 500_000_000,
-    headroom: float = 0.2,
+    options: Options = Options(),
     model=None,
+    shape: TransformerShape | None = None,
 ) -> list[Estimate]:
     """Every stage 0-3 without offload, stages 1-2 with optimizer offload (zero offloads stages
-    1-2 only). `model` (optional, may live on the meta device) gives the exact padded Psi."""
+    1-2 only). `model` (optional, may live on the meta device) gives the exact layout; `shape`
+    adds the activations of one micro-batch (without it, per_device counts no activations)."""
+    activations, retention = None, 0
+    if shape is not None:
+        compute = DTYPE_BYTES[options.dtype]
+        activations = activation_bytes(shape, compute, options.checkpointing)
+        if options.cpu:
+            full = activation_bytes(shape, compute, checkpointing=False)
+            retention = int(GLIBC_RETENTION * full.peak)
     rows = []
     for stage in range(4):
         shards = 1 if stage == 0 else cluster.world_size
         if model is not None:
-            numel = layout_numel(model, shards, bucket_numel, stage)
+            layout = model_layout(model, shards, stage, options)
         else:
-            numel = padded_numel(num_params, shards, bucket_numel)
+            layout = count_layout(num_params, shards, options.bucket_numel)
         for offload in (False, True) if stage in (1, 2) else (False,):
-            rows.append(estimate_stage(numel, stage, offload, cluster, dtype, headroom))
+            rows.append(
+                estimate_stage(layout, stage, offload, cluster, options, activations, retention)
+            )
     return rows
 
 
@@ -141,38 +267,63 @@ def recommend(rows: list[Estimate]) -> Estimate | None:
     return None
 
 
-def recommended_config(row: Estimate, dtype: str, bucket_numel: int) -> dict:
+def recommended_config(row: Estimate, options: Options, micro_batch: int = 1) -> dict:
     """A ready zero config for the recommended row (DeepSpeed key names)."""
-    zero_block = {"stage": row.stage, "reduce_bucket_size": bucket_numel, "overlap_comm": True}
+    zero_block = {
+        "stage": row.stage,
+        "reduce_bucket_size": options.bucket_numel,
+        "allgather_bucket_size": options.allgather_numel,
+        "overlap_comm": True,
+    }
+    if row.stage == 3:
+        zero_block["stage3_prefetch_bucket_size"] = options.prefetch_numel
+        zero_block["stage3_param_persistence_threshold"] = options.persistence_threshold
     if row.offload:
         zero_block["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": options.gradient_accumulation_steps,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
         "zero_optimization": zero_block,
     }
-    if dtype != "fp32":
-        config[dtype] = {"enabled": True}
+    if options.dtype != "fp32":
+        config[options.dtype] = {"enabled": True}
     return config
 
 
-def format_table(rows: list[Estimate], psi: int, cluster: Cluster, dtype: str) -> str:
+def format_table(
+    rows: list[Estimate], psi: int, cluster: Cluster, options: Options, shape=None
+) -> str:
     gib = 2**30
     lines = [
         f"Psi = {psi:,} parameters, {cluster.nodes} node(s) x {cluster.devices_per_node} "
-        f"device(s), {dtype}, fp32 gradient accumulation (4-byte gradients), Adam (8 B/element)",
+        f"device(s), {options.dtype}, fp32 gradient accumulation (4-byte gradients), "
+        "Adam (8 B/element)",
         f"device memory {cluster.device_memory / gib:.1f} GiB, "
-        f"host memory {cluster.host_memory / gib:.1f} GiB per node",
-        f"{'stage':<7}{'offload':<9}{'per device GiB':>16}{'per host GiB':>14}"
-        f"{'comm/step':>12}  fits",
+        f"host memory {cluster.host_memory / gib:.1f} GiB per node, "
+        f"headroom {options.headroom:.0%}",
     ]
+    if shape is not None:
+        compute = DTYPE_BYTES[options.dtype]
+        off = activation_bytes(shape, compute, checkpointing=False)
+        on = activation_bytes(shape, compute, checkpointing=True)
+        lines.append(
+            f"activations per device (L={shape.num_layers} h={shape.hidden} "
+            f"s={shape.seq_len} b={shape.micro_batch} V={shape.vocab_size}): "
+            f"{off.peak / gib:.3f} GiB, {on.peak / gib:.3f} GiB with activation checkpointing "
+            f"({'used' if options.checkpointing else 'not used'} below)"
+        )
+    lines.append(
+        f"{'stage':<7}{'offload':<9}{'states GiB':>11}{'buffers GiB':>12}{'peak GiB':>10}"
+        f"{'host GiB':>10}{'comm/step':>12}  fits"
+    )
     for row in rows:
         lines.append(
             f"{row.stage:<7}{'cpu' if row.offload else 'none':<9}"
-            f"{row.per_device / gib:>16.3f}{row.per_host / gib:>14.3f}"
-            f"{row.comm_psi:>10.1f} Psi  {'yes' if row.fits else 'no'}"
+            f"{row.model_states / gib:>11.3f}{row.buffers / gib:>12.3f}"
+            f"{row.per_device / gib:>10.3f}{row.per_host / gib:>10.3f}"
+            f"{row.comm_psi:>8.2f} Psi  {'yes' if row.fits else 'no'}"
         )
     return "\n".join(lines)
 
@@ -189,9 +340,12 @@ def load_model(path: str, kwargs: dict):
         return factory(**kwargs)
 
 
+SHAPE_FLAGS = ("layers", "hidden", "seq_len", "micro_batch", "vocab_size")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="zero-estimate", description="Model-state memory and communication per ZeRO stage."
+        prog="zero-estimate", description="Memory and communication per ZeRO stage."
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=float, help="parameter count, e.g. 1.5e9")
@@ -205,11 +359,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--reduce-bucket-size", type=float, default=5e8, help="elements per gradient bucket"
     )
+    parser.add_argument("--headroom", type=float, default=0.2, help="fraction of memory kept free")
     parser.add_argument(
-        "--headroom", type=float, default=0.2, help="device fraction kept for activations"
+        "--runtime-memory", default="0", help="per device besides tensors, e.g. 1G (CUDA context)"
+    )
+    parser.add_argument(
+        "--cpu-ranks", action="store_true", help="ranks are CPU processes (gloo, glibc heap)"
+    )
+    group = parser.add_argument_group("activations (a dense GPT-style transformer)")
+    group.add_argument("--layers", type=int, help="transformer layers")
+    group.add_argument("--hidden", type=int, help="hidden size")
+    group.add_argument("--seq-len", type=int, help="tokens per sequence")
+    group.add_argument("--micro-batch", type=int, help="sequences per device per micro-batch")
+    group.add_argument("--vocab-size", type=int, help="vocabulary size")
+    group.add_argument("--heads", type=int, default=0, help="attention heads (default h/64)")
+    group.add_argument(
+        "--activation-checkpointing", action="store_true", help="checkpoint every layer"
     )
     parser.add_argument("--write-config", metavar="PATH", help="write the recommended config")
     return parser.parse_args(argv)
+
+
+def shape_from_args(args) -> TransformerShape | None:
+    """The TransformerShape of the activation flags, None when none is given. Raises ValueError
+    when only some are given."""
+    given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
+    if not given:
+        return None
+    if len(given) < len(SHAPE_FLAGS):
+        missing = ", ".join("--" + f.replace("_", "-") for f in SHAPE_FLAGS if f not in given)
+        raise ValueError(f"activations need every shape flag; missing {missing}")
+    heads = args.heads or max(1, args.hidden // 64)
+    return TransformerShape(
+        args.layers, args.hidden, args.seq_len, args.micro_batch, args.vocab_size, heads
+    )
 
 
 def main(argv=None) -> int:
@@ -220,24 +403,33 @@ def main(argv=None) -> int:
         parse_size(args.device_memory),
         parse_size(args.host_memory),
     )
-    bucket = int(args.reduce_bucket_size)
+    options = Options(
+        dtype=args.dtype,
+        bucket_numel=int(args.reduce_bucket_size),
+        checkpointing=args.activation_checkpointing,
+        cpu=args.cpu_ranks,
+        runtime_bytes=parse_size(args.runtime_memory),
+        headroom=args.headroom,
+    )
+    shape = shape_from_args(args)
     model = None
     if args.model:
         model = load_model(args.model, json.loads(args.model_kwargs))
         psi = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     else:
         psi = int(args.params)
-    rows = estimate(psi, cluster, args.dtype, bucket, args.headroom, model)
-    print(format_table(rows, psi, cluster, args.dtype))
+    rows = estimate(psi, cluster, options, model, shape)
+    print(format_table(rows, psi, cluster, options, shape))
     best = recommend(rows)
     if best is None:
-        print("no stage fits: add devices or nodes, or use a smaller model")
+        print("no stage fits: add devices or nodes, or use a smaller model or micro-batch")
         return 1
     offload = "with optimizer offload" if best.offload else "without offload"
     print(f"recommended: stage {best.stage} {offload}")
     if args.write_config:
         with open(args.write_config, "w") as f:
-            json.dump(recommended_config(best, args.dtype, bucket), f, indent=2)
+            micro_batch = shape.micro_batch if shape is not None else 1
+            json.dump(recommended_config(best, options, micro_batch), f, indent=2)
             f.write("\n")
         print(f"wrote {args.write_config}")
     return 0

@@ -4,6 +4,15 @@ The engine calls `timer(name)` around forward, backward and step and `on_step(en
 optimizer step (after the comm ledger closed the step). Everything here reads zero's counters;
 nothing here issues a collective.
 
+[Note: step-time breakdown]
+With wall_clock_breakdown the step time is split into forward, backward, reduce, all_gather and
+optimizer. The engine times forward, backward and step ("optimizer"); the communicator measures,
+per collective, how long the caller waited for it (comm.py CommLedger.waited). Whatever a timed
+phase waited for gradient reductions (reduce-scatter, all-reduce) moves to `reduce`, and for
+parameter all-gathers to `all_gather`, so the five add up to the timed wall time and the
+communication shown is what did not overlap compute. Waiting needs the communicator:
+attach(comm) binds it (the first on_step does it when the engine has not).
+
 [Note: throughput]
 samples/s = train_batch_size / (time between two optimizer-step boundaries), so data loading
 counts. tokens/s needs the tokens per sample, which only the caller knows: set
@@ -25,30 +34,47 @@ from .estimator import comm_psi
 
 logger = logging.getLogger("zero")
 
-TIMERS = ("forward", "backward", "step")
+PHASES = {"forward": "forward", "backward": "backward", "step": "optimizer"}  # timer -> phase
+WAITS = {"reduce": ("reduce_scatter", "all_reduce"), "all_gather": ("all_gather",)}
+TIMERS = ("forward", "backward", "reduce", "all_gather", "optimizer")
 
 
 class Timers:
-    """Accumulated seconds per name over one optimizer step; CUDA-synchronized when `sync`."""
+    """Accumulated seconds per phase over one optimizer step ([Note: step-time breakdown]);
+    CUDA-synchronized when `sync`. Without a ledger there is no reduce / all_gather split."""
 
     def __init__(self, sync: bool):
         self.sync = sync and torch.cuda.is_available()
-        self.seconds = dict.fromkeys(TIMERS, 0.0)
+        self.ledger = None  # the CommLedger whose waiting is split out (set by attach)
+        self.reset()
+
+    def _waited(self) -> dict[str, float]:
+        waited = self.ledger.waited if self.ledger is not None else {}
+        return {phase: sum(waited.get(op, 0.0) for op in ops) for phase, ops in WAITS.items()}
 
     @contextlib.contextmanager
     def time(self, name: str):
+        phase = PHASES.get(name, name)
         if self.sync:
             torch.cuda.synchronize()
+        before = self._waited()
         start = time.perf_counter()
         try:
             yield
         finally:
             if self.sync:
                 torch.cuda.synchronize()
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            waited = {k: v - before[k] for k, v in self._waited().items()}
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
+            if self.ledger is not None:
+                self.seconds[phase] -= sum(waited.values())
+                for key, seconds in waited.items():
+                    self.seconds[key] += seconds
 
     def reset(self) -> None:
-        self.seconds = dict.fromkeys(TIMERS, 0.0)
+        names = TIMERS if self.ledger is not None else tuple(PHASES.values())
+        self.seconds = dict.fromkeys(names, 0.0)
 
 
 class CsvWriter:
@@ -97,9 +123,19 @@ def memory_in_use(device: torch.device) -> int:
     return psutil.Process().memory_info().rss
 
 
-def comms_report(ledger_step: dict, psi: int, stage: int, gas: int, rank: int) -> tuple[str, bool]:
+def persistent_numel(gatherer) -> int:
+    """Elements (unpadded) of stage 3's persistent unit; 0 without a gatherer or one."""
+    if gatherer is None:
+        return 0
+    return sum(b.layout.numel for u in gatherer.units if u.persistent for b in u.buckets)
+
+
+def comms_report(
+    ledger_step: dict, psi: int, stage: int, gas: int, rank: int, persistent: int = 0
+) -> tuple[str, bool]:
     """The comms ledger of one optimizer step as text, and whether the total deviates from the
-    paper's expectation (estimator.comm_psi) by more than 1%. `ledger_step`: op -> OpTotals."""
+    paper's expectation (estimator.comm_psi, with `persistent` of the `psi` elements in stage 3's
+    persistent unit) by more than 1%. `ledger_step`: op -> OpTotals."""
     lines = [f"comms rank {rank}: {'op':<16}{'calls':>7}{'elements':>14}{'bytes':>15}{'ms':>10}"]
     total = 0
     for op, t in sorted(ledger_step.items()):
@@ -108,13 +144,14 @@ def comms_report(ledger_step: dict, psi: int, stage: int, gas: int, rank: int) -
             f"comms rank {rank}: {op:<16}{t.calls:>7}{t.elements:>14,}{t.bytes:>15,}"
             f"{t.seconds * 1e3:>10.2f}"
         )
-    expected = comm_psi(stage, gas)
+    expected = comm_psi(stage, gas, persistent / psi if psi else 0.0)
     measured = total / psi if psi else 0.0
     deviates = abs(measured - expected) > 0.01 * expected
     flag = "  DEVIATION > 1%" if deviates else ""
+    kept = f", {persistent:,} persistent" if stage == 3 and persistent else ""
     lines.append(
-        f"comms rank {rank}: total {measured:.4f} Psi (Psi={psi:,}); expected {expected:g} Psi "
-        f"(stage {stage}, gradient accumulation {gas}){flag}"
+        f"comms rank {rank}: total {measured:.4f} Psi (Psi={psi:,}); expected {expected:.4g} Psi "
+        f"(stage {stage}, gradient accumulation {gas}{kept}){flag}"
     )
     return "\n".join(lines), deviates
 
@@ -143,6 +180,14 @@ class StepMonitor:
         self._last_boundary = time.perf_counter()
         self._memory_reported = False
         self.last = {}  # the figures of the last optimizer step, for tests and callers
+
+    def attach(self, comm) -> None:
+        """Split collective waiting out of the timers ([Note: step-time breakdown]); with
+        wall_clock_breakdown, turns the communicator's timing on (all collectives)."""
+        self.timers.ledger = comm.ledger
+        self.timers.reset()
+        if self.config.wall_clock_breakdown and comm.timing is None:
+            comm.enable_timing()
 
     def timer(self, name: str):
         return self.timers.time(name)
@@ -181,6 +226,8 @@ class StepMonitor:
             timers=dict(self.timers.seconds),
         )
         self.last = figures
+        if self.timers.ledger is None:
+            self.attach(engine.comm)  # from the next step on, when the engine did not
         self.timers.reset()
         self._write_events(figures, engine.global_samples)
         if printing:
@@ -192,6 +239,7 @@ class StepMonitor:
                 self.config.zero.stage,
                 self.config.gradient_accumulation_steps,
                 self.rank,
+                persistent_numel(engine.gatherer),
             )
             logger.info(text)
         if self.config.memory_breakdown and not self._memory_reported:

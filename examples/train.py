@@ -7,6 +7,8 @@ Checkpointing:    ... --config configs/zero2_activation_checkpointing.json
 
 The model is in gpt.py, the data in data.py; this file is only the loop. Batch size, gradient
 accumulation, optimizer, lr schedule, precision and ZeRO stage all come from the config.
+With a terminal attached, rank 0 shows a progress bar (loss and tokens/s of the last step);
+otherwise (CI, SLURM, a pipe) it prints a line every steps_per_print steps.
 """
 
 import argparse
@@ -20,6 +22,7 @@ from data import ByteDataset, load_corpus
 from gpt import GPT, GPTConfig
 
 import zero
+from zero.progress import bar_enabled, progress, redirect_logs
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,10 +60,14 @@ def _data_parallel_size(mp: int) -> int:
     return max(1, world // mp)
 
 
+def is_first_rank(engine) -> bool:
+    """engine.rank is the data-parallel rank; with --mp the global rank decides."""
+    return engine.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0)
+
+
 def log(engine, *lines: str) -> None:
-    """Print on rank 0 only, flushed so the lines interleave correctly under a launcher.
-    (engine.rank is the data-parallel rank; with --mp the global rank decides.)"""
-    if engine.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+    """Print on rank 0 only, flushed so the lines interleave correctly under a launcher."""
+    if is_first_rank(engine):
         print(*lines, sep="\n", flush=True)
 
 
@@ -74,6 +81,50 @@ def evaluate(engine, data: ByteDataset, num_batches: int, batch_size: int) -> fl
         total += engine(x, y).item()
     engine.train()
     return total / num_batches
+
+
+def train_steps(engine, data, args, tokens_per_step: int, rank: int) -> float:
+    """args.steps optimizer steps; returns the mean loss of the last logged window. A bar
+    (rank 0 with a terminal) shows each step's loss and tokens/s, at the cost of one device sync
+    per step; otherwise losses stay on the device until a print, one sync per steps_per_print."""
+    micro_batch = engine.config.train_micro_batch_size_per_gpu
+    accumulation = engine.config.gradient_accumulation_steps
+    print_every = engine.config.steps_per_print
+    bar = progress(total=args.steps, desc="train", rank=rank, unit="step", leave=True)
+    window_losses, train_loss = [], float("nan")
+    window_start = step_start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        for _ in range(accumulation):
+            x, y = data.get_batch("train", micro_batch, engine.device)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()  # acts only at the accumulation boundary
+            window_losses.append(loss.detach())
+        if not bar.disable:
+            step_loss = torch.stack(window_losses[-accumulation:]).float().mean().item()
+            now = time.perf_counter()
+            bar.update(1)
+            bar.set_postfix_str(
+                f"loss {step_loss:.4f}, {tokens_per_step / (now - step_start):,.0f} tokens/s"
+            )
+            step_start = now
+        if step % print_every == 0 or step == args.steps:
+            train_loss = torch.stack(window_losses).float().mean().item()
+            elapsed = time.perf_counter() - window_start  # after .item(): the device is idle
+            steps_in_window = len(window_losses) // accumulation
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
+            if bar.disable:
+                log(
+                    engine,
+                    f"step {step:>5} | loss {train_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
+                    f"loss scale {engine.loss_scale:g} | grad norm {grad_norm} | "
+                    f"{steps_in_window * tokens_per_step / elapsed:,.0f} tokens/s",
+                )
+            window_losses = []
+            window_start = time.perf_counter()
+    bar.close()
+    return train_loss
 
 
 def main() -> None:
@@ -112,7 +163,6 @@ def main() -> None:
     accumulation = engine.config.gradient_accumulation_steps
     global_batch = micro_batch * engine.world_size * accumulation
     tokens_per_step = global_batch * args.block_size
-    print_every = engine.config.steps_per_print
 
     if args.mp > 1 or model_config.activation_checkpointing:
         ckpt = engine.config.activation_checkpointing
@@ -138,31 +188,9 @@ def main() -> None:
     )
 
     engine.train()
-    # Losses stay on the device until a print so logging costs one sync per print, not per batch.
-    window_losses, train_loss = [], float("nan")
-    window_start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        for _ in range(accumulation):
-            x, y = data.get_batch("train", micro_batch, engine.device)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()  # acts only at the accumulation boundary
-            window_losses.append(loss.detach())
-
-        if step % print_every == 0 or step == args.steps:
-            train_loss = torch.stack(window_losses).float().mean().item()
-            elapsed = time.perf_counter() - window_start  # after .item(): the device is idle
-            steps_in_window = len(window_losses) // accumulation
-            grad_norm = engine.get_global_grad_norm()
-            grad_norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
-            log(
-                engine,
-                f"step {step:>5} | loss {train_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
-                f"loss scale {engine.loss_scale:g} | grad norm {grad_norm} | "
-                f"{steps_in_window * tokens_per_step / elapsed:,.0f} tokens/s",
-            )
-            window_losses = []
-            window_start = time.perf_counter()
+    rank = 0 if is_first_rank(engine) else 1
+    with redirect_logs(bar_enabled(rank)):
+        train_loss = train_steps(engine, data, args, tokens_per_step, rank)
 
     val_loss = evaluate(engine, data, args.eval_batches, micro_batch)
     log(engine, f"val loss {val_loss:.4f} over {args.eval_batches} batches")

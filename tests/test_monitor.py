@@ -1,10 +1,14 @@
-"""Step log, wall-clock timers, CSV and TensorBoard monitors, and the comms report's flag."""
+"""Step log, wall-clock timers, CSV and TensorBoard monitors, the comms report's flag, and (on
+2 ranks, one spawn) the stage-3 expectation with persistent parameters, a pinned unit and
+gradient accumulation, and the step-time breakdown."""
 
 import csv
 import importlib.util
+import logging
 
 import pytest
 import torch
+from distributed import run_ranks
 
 import zero
 from zero.comm import OpTotals
@@ -44,7 +48,9 @@ def test_step_log_and_csv(tmp_path, zero_log):
     last = engine.monitor.last
     assert last["tokens_per_s"] == pytest.approx(16 * last["samples_per_s"])
     assert last["tflops"] == pytest.approx(6 * 15 * last["tokens_per_s"] / 1e12)
-    assert all(last["timers"][k] > 0 for k in ("forward", "backward", "step"))
+    assert all(last["timers"][k] > 0 for k in ("forward", "backward", "optimizer"))
+    # One rank: no collectives, so no waiting to split out.
+    assert last["timers"]["reduce"] == last["timers"]["all_gather"] == 0
     with open(tmp_path / "run" / "Train_Samples_train_loss.csv") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "Train/Samples/train_loss"]
@@ -67,3 +73,87 @@ def test_comms_report_flags_deviation():
     assert deviates and "DEVIATION" in text
     _, deviates = comms_report(step, 1000, 2, 2, 0)  # stage 2, GAS 2 expects 3 Psi
     assert deviates
+
+
+def test_comms_report_counts_persistent_parameters():
+    # 100 parameters, 10 persistent, GAS 2: 90 * 3 * 2 + 10 * (2 + 1) = 570 elements.
+    step = {"reduce_scatter": OpTotals(2, 200, 800), "all_gather": OpTotals(4, 370, 1480)}
+    text, deviates = comms_report(step, 100, 3, 2, 0, persistent=10)
+    assert not deviates and "expected 5.7 Psi" in text and "10 persistent" in text, text
+    assert comms_report(step, 100, 3, 2, 0)[1]  # without them the expectation is 6 Psi
+
+
+class TiedNet(torch.nn.Module):
+    """Two fetch units and small biases; `embed.weight` is used again outside embed's forward
+    (as a tied lm_head is), which pins its unit until the end of backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 32)
+        self.mid = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.mid(torch.relu(self.embed(x))) @ self.embed.weight
+
+
+def _stage3_ledger():
+    messages = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("zero").addHandler(handler)
+    logging.getLogger("zero").setLevel(logging.INFO)
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "steps_per_print": 1,
+        "wall_clock_breakdown": True,
+        "comms_logger": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 1100,
+            "stage3_param_persistence_threshold": 40,  # the biases (32 + 32 elements)
+        },
+    }
+    engine, _, _, _ = zero.initialize(model=TiedNet(), config=config)
+
+    def micro_batch():
+        engine.backward(engine(torch.randn(2, 16)).square().mean())
+
+    reports = []
+    for step in range(3):
+        for _ in range(2):
+            micro_batch()
+            if step == 2:  # a real deviation: one all-reduce of Psi elements (2 Psi) too many
+                engine.comm.all_reduce(torch.zeros(engine.monitor.psi))
+            engine.step()
+        reports.append(engine.monitor.last["timers"])
+    steps = [m for m in messages if m.startswith("step=")]
+    totals = [m.splitlines()[-1] for m in messages if m.startswith("comms rank")]
+    return steps, totals, reports
+
+
+@pytest.fixture(scope="module")
+def stage3_runs():
+    return run_ranks(_stage3_ledger, 2, timeout=120)
+
+
+def test_stage3_persistent_and_pinned_not_flagged(stage3_runs):
+    steps, totals, _ = stage3_runs[0]
+    # 1600 parameters, 64 of them persistent: 1536 * 6 + 64 * 3 = 9408 elements = 5.88 Psi.
+    assert "expected 5.88 Psi (stage 3, gradient accumulation 2, 64 persistent)" in totals[1]
+    assert "DEVIATION" not in totals[1], totals[1]
+    assert "DEVIATION" in totals[2], totals[2]
+
+
+def test_step_log_splits_reduce_and_all_gather(stage3_runs):
+    for _, _, timers in stage3_runs:
+        # From the second step on the waiting is split out (the first step binds the ledger).
+        for figures in timers[1:]:
+            assert set(figures) == {"forward", "backward", "reduce", "all_gather", "optimizer"}
+            assert figures["reduce"] > 0 and figures["all_gather"] > 0, figures
+            assert min(figures.values()) >= 0, figures  # compute = phase time - its waiting
+    line = stage3_runs[0][0][-1]
+    for key in ("forward_ms=", "backward_ms=", "reduce_ms=", "all_gather_ms=", "optimizer_ms="):
+        assert key in line, line

@@ -12,7 +12,22 @@ from test_stages import Net, batches, param_groups
 import zero
 
 
-def run(stage, dtype, gas, offload, offload_param=False):
+def run(stage, dtype, gas, offload, offload_param=False, resume=None):
+    """Three optimizer steps; with resume=(directory, offloaded_before), the first two run in an
+    engine whose offload setting is offloaded_before and are resumed from its checkpoint."""
+    if resume is not None:
+        directory, before = resume
+        engine = _train(stage, dtype, gas, before, offload_param, steps=range(2))[0]
+        engine.save_checkpoint(directory, tag="resume")
+        engine, history = _train(stage, dtype, gas, offload, offload_param, range(2, 3), directory)
+        return history, type(engine.optimizer.optimizer).__name__, set()
+    engine, history = _train(stage, dtype, gas, offload, offload_param, range(3))
+    kind = type(engine.optimizer.optimizer).__name__
+    devices = {b.master.device.type for b in engine.optimizer.buckets}
+    return history, kind, devices
+
+
+def _train(stage, dtype, gas, offload, offload_param, steps, load=None):
     torch.manual_seed(0)
     model = Net()
     cfg = {
@@ -30,9 +45,12 @@ def run(stage, dtype, gas, offload, offload_param=False):
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     params = [{k: v for k, v in g.items() if k != "weight_decay"} for g in param_groups(model)]
-    engine, optimizer, _, _ = zero.initialize(model=model, model_parameters=params, config=cfg)
+    engine, _, _, _ = zero.initialize(model=model, model_parameters=params, config=cfg)
+    if load is not None:
+        engine.load_checkpoint(load, tag="resume")
     history = []
-    for step in batches(2, gas, steps=3, same_modules=stage == 3):
+    data = batches(2, gas, steps=3, same_modules=stage == 3)
+    for step in (data[index] for index in steps):
         for micro in step:
             x, y, use_extra = micro[engine.rank]
             engine.backward(engine(x, y, use_extra=use_extra))
@@ -46,12 +64,10 @@ def run(stage, dtype, gas, offload, offload_param=False):
                 "norm": engine.get_global_grad_norm(),
             }
         )
-    kind = type(optimizer.optimizer).__name__
-    devices = {b.master.device.type for b in engine.optimizer.buckets}
-    return history, kind, devices
+    return engine, history
 
 
-def sweep():
+def sweep(root):
     out = {}
     for stage, dtype, gas in itertools.product((1, 2, 3), ("fp32", "bf16"), (1, 2)):
         plain = run(stage, dtype, gas, offload=False)
@@ -61,11 +77,24 @@ def sweep():
             out[(stage, dtype, gas, "offload_param")] = (plain, both)
             params_only = run(stage, dtype, gas, offload=False, offload_param=True)
             out[(stage, dtype, gas, "offload_param only")] = (plain, params_only)
+    for stage in (2, 3):  # a checkpoint resumes with offload switched on or off
+        plain = run(stage, "fp32", 1, offload=False)
+        for before in (True, False):
+            resumed = run(stage, "fp32", 1, not before, resume=(f"{root}/{stage}{before}", before))
+            out[(stage, "fp32", 1, f"resumed, offload {before} -> {not before}")] = (
+                (plain[0][2:], "AdamW", set()),
+                resumed,
+            )
     return out
 
 
-def test_offload_matches_device_optimizer_after_every_step():
-    for case, (plain, offloaded) in run_ranks(sweep, 2)[0].items():
+def test_offload_matches_device_optimizer_after_every_step(tmp_path):
+    for case, (plain, offloaded) in run_ranks(sweep, 2, str(tmp_path))[0].items():
+        if str(case[-1]).startswith("resumed"):  # compared after the step run after loading
+            (ref, _, _), (got, _, _) = plain, offloaded
+            for a, b in zip(ref[0]["masters"], got[0]["masters"]):
+                assert torch.allclose(a, b, rtol=0, atol=1e-6), case
+            continue
         (ref, ref_kind, _), (got, kind, devices) = plain, offloaded
         expected = "AdamW" if "offload_param only" in case else "CPUAdam"
         assert ref_kind == "AdamW" and kind == expected and devices == {"cpu"}, case
