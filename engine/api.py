@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .accelerator import detect_accelerator
-from .comm import Communicator, init_process_group, read_launch_env
+from .comm import data_parallel_comm, init_process_group, read_launch_env
 from .config import load_config
 from .engine import Engine
 
@@ -66,7 +66,7 @@ def initialize(
     accelerator = detect_accelerator(launch.local_rank if launch else 0)
     if launch is not None and dist_init_required is not False:
         init_process_group(accelerator.backend, launch)
-    comm = _data_parallel_comm(mpu)
+    comm = data_parallel_comm(mpu)
     # With an mpu, comm.rank is the data-parallel rank: log as the global rank (one rank 0).
     _default_logging(dist.get_rank() if mpu is not None and dist.is_initialized() else comm.rank)
     if mpu is not None:
@@ -113,18 +113,6 @@ def _launch_world_size(launch) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return launch.world_size if launch is not None else 1
-
-
-def _data_parallel_comm(mpu) -> Communicator:
-    if mpu is not None:
-        return Communicator(
-            mpu.get_data_parallel_group(),
-            mpu.get_data_parallel_rank(),
-            mpu.get_data_parallel_world_size(),
-        )
-    if dist.is_available() and dist.is_initialized():
-        return Communicator(None, dist.get_rank(), dist.get_world_size())
-    return Communicator(None, 0, 1)
 
 
 def _configure_checkpointing(cfg, mpu) -> None:

@@ -286,3 +286,19 @@ def init_process_group(backend: str, env: LaunchEnv) -> None:
                 "or set MASTER_ADDR and MASTER_PORT"
             )
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+
+
+def data_parallel_comm(mpu=None, group=None) -> Communicator:
+    """The Communicator of the data-parallel group: the mpu's, else `group`, else every rank (one
+    rank when torch.distributed is not initialized)."""
+    if mpu is not None:
+        return Communicator(
+            mpu.get_data_parallel_group(),
+            mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(),
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        return Communicator(None, 0, 1)
+    if group is not None:
+        return Communicator(group, dist.get_rank(group), dist.get_world_size(group))
+    return Communicator(None, dist.get_rank(), dist.get_world_size())

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from .accelerator import detect_accelerator
-from .comm import Communicator, init_process_group, read_launch_env
+from .comm import Communicator, data_parallel_comm, init_process_group, read_launch_env
 
 _ACTIVE = None  # the Init context in force (contexts do not nest: an inner one does nothing)
 # Parameters kept gathered inside the context after their last touch (see [Note: touching a
@@ -179,7 +179,7 @@ class Init:
         accelerator = detect_accelerator(launch.local_rank if launch else 0)
         if launch is not None and not dist.is_initialized():
             init_process_group(accelerator.backend, launch)
-        self.comm = _data_parallel_comm(mpu, data_parallel_group)
+        self.comm = data_parallel_comm(mpu, data_parallel_group)
         if source is not None and mpu is not None:
             cfg = load_config(source, world_size=self.comm.world_size)
         if cfg is not None:
@@ -358,17 +358,3 @@ def _wrap_subclass_init(cls, **kwargs):
     super(torch.nn.Module, cls).__init_subclass__(**kwargs)
     if _ACTIVE is not None and "__init__" in cls.__dict__:
         _ACTIVE._wrap_init(cls)
-
-
-def _data_parallel_comm(mpu, group) -> Communicator:
-    if mpu is not None:
-        return Communicator(
-            mpu.get_data_parallel_group(),
-            mpu.get_data_parallel_rank(),
-            mpu.get_data_parallel_world_size(),
-        )
-    if not dist.is_initialized():
-        return Communicator(None, 0, 1)
-    if group is not None:
-        return Communicator(group, dist.get_rank(group), dist.get_world_size(group))
-    return Communicator(None, dist.get_rank(), dist.get_world_size())

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .init import full_numel, is_partitioned, take_full
+from .init import full_numel
 
 
 class UnitState(enum.Enum):
@@ -281,7 +281,7 @@ class FrozenShards:
         pin_memory: bool = False,
     ):
         from .flat import FlatLayout
-        from .stages import host_copy
+        from .stages import bucket_values, host_copy
 
         self.comm = comm
         self.device = named[0][1].device  # the compute device, where gathering happens
@@ -291,10 +291,8 @@ class FrozenShards:
         self._place: dict[int, tuple] = {}
         for layout in self.layout.buckets:
             bucket = _FrozenBucket(layout, [by_name[slot.name] for slot in layout.slots])
-            full = torch.zeros(layout.padded_numel, dtype=dtype, device=self.device)
+            full = bucket_values(layout, bucket.params, dtype, self.device)
             for slot, param in zip(layout.slots, bucket.params):
-                value = take_full(param) if is_partitioned(param) else param.detach()
-                full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
                 self._place[id(param)] = (bucket, slot)
             begin, end = layout.owned_range(comm.rank)
             bucket.param_shard = full[begin:end].clone()

@@ -43,6 +43,16 @@ def _unstepped(state: dict) -> bool:
     return "step" in state and float(state["step"]) == 0
 
 
+def bucket_values(layout: BucketLayout, params, dtype, device) -> torch.Tensor:
+    """(padded_numel,) the values of a bucket's parameters in `dtype`, zero padding. A zero.Init
+    parameter is gathered here, one at a time (collective) and its Init shard dropped."""
+    full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    for slot, param in zip(layout.slots, params):
+        value = take_full(param) if is_partitioned(param) else param.detach()
+        full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+    return full
+
+
 def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     """A host copy of `tensor` (same dtype), page-locked when `pin` and CUDA exists, so copies
     to and from the device can be asynchronous."""
@@ -213,11 +223,7 @@ class ZeroOptimizer:
     def _init_bucket_state(self, bucket: Bucket) -> None:
         """Fill the bucket from its parameters, create master and gradient buffers, rebind."""
         layout, device = bucket.layout, bucket.param_buffer.device
-        full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-        for slot, param in zip(layout.slots, bucket.params):
-            # A zero.Init parameter is gathered here, one at a time (collective).
-            value = take_full(param) if is_partitioned(param) else param.detach()
-            full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+        full = bucket_values(layout, bucket.params, torch.float32, device)
         if self.settings.stage != 3:
             bucket.param_buffer.copy_(full)
         begin, end = layout.owned_range(self.layout.shard_of(self.comm.rank))
