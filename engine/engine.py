@@ -45,6 +45,11 @@ def check_implemented(config) -> None:
             )
 
 
+def _on_cpu(block):
+    """An offload_optimizer / offload_param block when its device is "cpu", else None."""
+    return block if block is not None and block.device == "cpu" else None
+
+
 class Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
@@ -143,7 +148,8 @@ class Engine(torch.nn.Module):
         self._step_applied = False
         self._cast_rest(config.compute_dtype)
         # ----- observability (engine/monitor.py, engine/memory.py; docs/observability.md) -----
-        # Construction traffic (the stage-3 persistent unit's first all-gather) is no step's.
+        # Construction traffic (broadcast of rank 0's weights, the stage-3 persistent unit's
+        # first all-gather) is no step's.
         comm.ledger.end_step()
         self.monitor = StepMonitor(config, comm.rank, self.optimizer.layout.numel, self.device)
         logs = config.comms_logger
@@ -200,14 +206,12 @@ class Engine(torch.nn.Module):
     @property
     def _offload_optimizer(self):
         """The offload_optimizer block when it offloads to the CPU, else None."""
-        block = self.config.zero.offload_optimizer
-        return block if block is not None and block.device == "cpu" else None
+        return _on_cpu(self.config.zero.offload_optimizer)
 
     @property
     def _offload_param(self):
         """The offload_param block when it offloads parameter shards to the CPU, else None."""
-        block = self.config.zero.offload_param
-        return block if block is not None and block.device == "cpu" else None
+        return _on_cpu(self.config.zero.offload_param)
 
     def _config_optimizer(self, model_parameters):
         if self.config.optimizer is None:
@@ -293,7 +297,6 @@ class Engine(torch.nn.Module):
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 if not is_partitioned(tensor):  # zero.Init broadcast those when it built them
                     self.comm.broadcast(tensor.data, src=0)
-        self.comm.ledger.end_step()
 
     def _cast_rest(self, dtype: torch.dtype) -> None:
         """Cast what zero does not lay out (frozen or empty parameters, floating-point buffers) to

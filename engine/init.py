@@ -55,11 +55,11 @@ class InitShard:
     holds its full value right now.
     """
 
-    def __init__(self, full: torch.Tensor, home, comm: Communicator, comm_device, device, pin):
+    def __init__(self, home, comm: Communicator, comm_device, device, pin):
         self.home, self.comm, self.comm_device = home, comm, comm_device
         self.device, self.pin = device, pin
-        self.gathered = False
-        self.keep(full)
+        self.gathered = True  # until release_in_place() keeps the slice
+        self.shape = self.data = None
 
     def keep(self, full: torch.Tensor) -> None:
         """Keep this rank's slice of `full` (the same on every rank)."""
@@ -182,16 +182,16 @@ class Init:
         self.comm = data_parallel_comm(mpu, data_parallel_group)
         if source is not None and mpu is not None:
             cfg = load_config(source, world_size=self.comm.world_size)
+        offload = None  # the offload_param block when it keeps shards on the CPU
         if cfg is not None:
-            from .engine import check_implemented
+            from .engine import _on_cpu, check_implemented
 
             check_implemented(cfg)
-        offload = cfg is not None and cfg.zero.offload_param is not None
-        offload = offload and cfg.zero.offload_param.device == "cpu"
+            offload = _on_cpu(cfg.zero.offload_param)
         self.comm_device = accelerator.device  # where collectives run
-        host = remote_device == "cpu" or offload
+        host = remote_device == "cpu" or offload is not None
         self.device = torch.device("cpu") if host else accelerator.device  # where shards live
-        self.pin_memory = pin_memory or (offload and cfg.zero.offload_param.pin_memory)
+        self.pin_memory = pin_memory or bool(offload and offload.pin_memory)
         self._gathered: dict[int, torch.nn.Parameter] = {}  # in order of last touch
         self._patched: dict[type, object] = {}  # class -> its own __init__
         self._subclass_hook = None
@@ -252,13 +252,11 @@ class Init:
 
     def _partition(self, param) -> None:
         """Broadcast rank 0's value, keep this rank's slice. Collective."""
-        with self._own_ops(), torch.no_grad():
-            full = param.data.to(self.comm_device, copy=True).contiguous()
-            self.comm.broadcast(full, src=0)
-            param.zero_shard = InitShard(
-                full, param.device, self.comm, self.comm_device, self.device, self.pin_memory
-            )
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        param.zero_shard = InitShard(
+            param.device, self.comm, self.comm_device, self.device, self.pin_memory
+        )
+        with self._own_ops():
+            release_in_place(param)
 
     def _release_all(self, keep: int = 0) -> None:
         """Partition again all but the `keep` most recently touched gathered parameters."""
