@@ -317,7 +317,7 @@ class Engine(torch.nn.Module):
         if self.gatherer is None:
             with timer:
                 return self.module(*args, **kwargs)
-        with timer, UsageGuard(self.gatherer):
+        with timer, UsageGuard(self.gatherer), self.gatherer.saved_weights():
             output = self.module(*args, **kwargs)
         if not training:
             self.gatherer.release_all()  # no backward follows: release pinned units now

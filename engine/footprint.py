@@ -35,9 +35,8 @@ What zero allocates on top of model states (docs/memory.md), with P = padded Psi
   Stages 0 and 1 accumulate into their fp32 buffer, a model state: nothing extra.
 - stage 3 gathered parameters: the persistent unit always; during forward and backward the unit
   in use plus up to stage3_prefetch_bucket_size elements prefetched, never more than the model.
-  And autograd keeps what forward's linear layers saved (their weights, views of the gathered
-  buffers), so every non-persistent parameter gathered in forward stays alive until its layer's
-  backward, on top of the units gathered again for backward.
+  The weights layers save for backward do not keep released units alive (engine/stage3.py,
+  [Note: saved weights]).
 - gloo (CPU) copies the whole buffer of a reduce-scatter or all-gather while it runs; NCCL works
   in place.
 - the optimizer step: Adam's update makes temporaries of the shard's size (torch's per-tensor
@@ -73,7 +72,6 @@ BUFFERS = (
     "gradient staging",
     "receive buffers",
     "gathered parameters",
-    "kept by autograd",
     "collective copies",
 )
 
@@ -185,7 +183,6 @@ def buffer_bytes(layout: LayoutSummary, settings: BufferSettings) -> dict[str, i
         largest = layout.unit_numels[0] if layout.unit_numels else 0
         window = min(sharded, largest + st.prefetch_numel)
         terms["gathered parameters"] = (layout.persistent_numel + window) * st.compute_bytes
-        terms["kept by autograd"] = sharded * st.compute_bytes
     return terms
 
 

@@ -12,7 +12,17 @@ A unit is SHARDED (each rank holds its 1/N slice; the module's parameters are 0-
 placeholders) or GATHERED (full parameters in a transient buffer). It is gathered by a forward
 pre-hook, released by the forward hook, gathered again when the first gradient reaches its
 outputs (a multi-grad hook registered during forward), and released once every parameter of a
-bucket has its gradient (the gradient is then in the reduce-scatter buffer). A parameter used
+bucket has its gradient (the gradient is then in the reduce-scatter buffer). A forward that runs
+inside backward (an activation-checkpoint recomputation) keeps its units gathered: its saved
+tensors are used at once, and the gradients release the units.
+
+[Note: saved weights]
+Layers save their weights for backward (a linear layer saves a view of its weight), and a saved
+view would keep the whole gathered buffer alive from the unit's forward to its backward, so a
+released unit would free nothing. During engine(...) saved-tensor hooks replace a saved tensor
+that lies in a gathered buffer with a reference (bucket, offset, shape, strides); backward's
+unpack gathers the unit again if needed and hands out the same view of the new buffer. Inside a
+checkpointed region the checkpoint's own hooks apply instead (they save nothing). A parameter used
 outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
 caught by UsageGuard, a TorchFunctionMode active during engine(...): it gathers the parameter's
 unit on the spot and pins it, so it stays gathered until the end of backward. All ranks run the
@@ -112,6 +122,7 @@ class ParamGatherer:
         self.busy = False  # inside our own ops: UsageGuard must not react to them
         self.buckets = []  # every bucket attached, trainable and frozen
         self._unit_of_param: dict[int, Unit] = {}
+        self._gathered_storage: dict[int, object] = {}  # buffer data_ptr -> bucket (not persistent)
         self._hooks = []
         self._order: list[int] = []  # unit indices in forward order, from the last step
         self._trace: list[int] = []  # this step's forward order
@@ -135,7 +146,7 @@ class ParamGatherer:
             for param in bucket.params:
                 self._unit_of_param[id(param)] = unit
             with self._own_ops():
-                _release_bucket(bucket, self.device)
+                self._release_bucket(bucket)
         for unit in self.units:
             if unit.persistent:
                 self.fetch(unit)
@@ -157,7 +168,8 @@ class ParamGatherer:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
-            self.release(unit)
+            if not _in_backward():  # a recomputation's saved tensors are about to be used
+                self.release(unit)
 
         return hook
 
@@ -183,8 +195,54 @@ class ParamGatherer:
     def _start_gather(self, unit: Unit) -> None:
         with self._own_ops():
             for bucket in unit.buckets:
-                _start_gather_bucket(bucket, self.comm, self.compute_dtype, self.device)
+                self._start_gather_bucket(bucket, unit)
         unit.state = UnitState.GATHERING
+
+    def _start_gather_bucket(self, bucket, unit: Unit) -> None:
+        """All-gather the bucket into a fresh buffer on the device; an offloaded (host) shard is
+        copied there first (asynchronously when pinned)."""
+        shard = bucket.param_shard
+        if shard.device != self.device:
+            shard = shard.to(self.device, non_blocking=shard.is_pinned())
+        buffer = torch.empty(
+            bucket.layout.padded_numel, dtype=self.compute_dtype, device=self.device
+        )
+        bucket.pending = self.comm.all_gather(buffer, shard, async_op=True)
+        bucket.param_buffer = buffer
+        if not unit.persistent:
+            self._gathered_storage[buffer.untyped_storage().data_ptr()] = bucket
+
+    def _release_bucket(self, bucket) -> None:
+        if bucket.param_buffer is not None:
+            self._gathered_storage.pop(bucket.param_buffer.untyped_storage().data_ptr(), None)
+        placeholder = torch.empty(0, dtype=bucket.param_shard.dtype, device=self.device)
+        for param in bucket.params:
+            param.data = placeholder
+        bucket.param_buffer = None
+
+    def saved_weights(self):
+        """Saved-tensor hooks for engine(...): see [Note: saved weights]."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        if tensor.layout is not torch.strided or tensor.device != self.device:
+            return tensor
+        bucket = self._gathered_storage.get(tensor.untyped_storage().data_ptr())
+        if bucket is None or tensor.dtype != bucket.param_buffer.dtype:
+            return tensor
+        return _SavedWeight(bucket, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        bucket = saved.bucket
+        if bucket.param_buffer is None or bucket.pending is not None:
+            unit = self.units[bucket.layout.unit]
+            if bucket.param_buffer is None and unit.state is not UnitState.SHARDED:
+                # Released after its gradients arrived, yet a use without gradient needs it.
+                self.release(unit, force=True)
+            self.fetch(unit)
+        return bucket.param_buffer.as_strided(saved.shape, saved.stride, saved.offset)
 
     def _prefetch_after(self, unit: Unit, direction: str) -> None:
         order = self._order if direction == "forward" else self._order[::-1]
@@ -219,7 +277,7 @@ class ParamGatherer:
             self.fetch(unit)  # a prefetch in flight must land before its buffer is freed
         with self._own_ops():
             for bucket in unit.buckets:
-                _release_bucket(bucket, self.device)
+                self._release_bucket(bucket)
         unit.state = UnitState.SHARDED
         unit.pinned = False
 
@@ -231,11 +289,10 @@ class ParamGatherer:
         if unit.pinned or unit.persistent:
             return
         with self._own_ops():
-            _release_bucket(bucket, self.device)
+            self._release_bucket(bucket)
             if all(b.param_buffer is None for b in unit.buckets if b.master is not None):
                 for other in unit.buckets:
-                    if other.param_buffer is not None:
-                        _release_bucket(other, self.device)
+                    self._release_bucket(other)
                 unit.state = UnitState.SHARDED
 
     def release_all(self) -> None:
@@ -253,7 +310,7 @@ class ParamGatherer:
             if unit.persistent:
                 with self._own_ops():
                     for bucket in unit.buckets:
-                        _release_bucket(bucket, self.device)
+                        self._release_bucket(bucket)
                 unit.state = UnitState.SHARDED
                 self.fetch(unit)
 
@@ -376,17 +433,6 @@ class UsageGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _start_gather_bucket(bucket, comm, dtype, device) -> None:
-    """All-gather the bucket into a fresh buffer on `device`; an offloaded (host) shard is
-    copied there first (asynchronously when pinned)."""
-    shard = bucket.param_shard
-    if shard.device != device:
-        shard = shard.to(device, non_blocking=shard.is_pinned())
-    buffer = torch.empty(bucket.layout.padded_numel, dtype=dtype, device=device)
-    bucket.pending = comm.all_gather(buffer, shard, async_op=True)
-    bucket.param_buffer = buffer
-
-
 def _finish_gather_bucket(bucket) -> None:
     bucket.pending.wait()
     bucket.pending = None
@@ -394,11 +440,18 @@ def _finish_gather_bucket(bucket) -> None:
         param.data = bucket.param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
 
-def _release_bucket(bucket, device) -> None:
-    placeholder = torch.empty(0, dtype=bucket.param_shard.dtype, device=device)
-    for param in bucket.params:
-        param.data = placeholder
-    bucket.param_buffer = None
+@dataclass
+class _SavedWeight:
+    """What backward keeps of a saved tensor that lies in a gathered buffer."""
+
+    bucket: object
+    offset: int
+    shape: torch.Size
+    stride: tuple
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(output):

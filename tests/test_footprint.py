@@ -2,10 +2,12 @@
 autograd keeps for the example GPT, and the buffer terms against what the engine allocates
 (single process: the same bucket and gather code paths as N ranks)."""
 
+import gc
 import os
 import sys
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import zero
 from zero import estimator
@@ -63,9 +65,10 @@ def test_kept_activations_match_autograd():
     assert kept <= sum(saved.values()) <= 1.01 * kept
 
 
-def _engine(model, stage: int, bucket: int):
+def _engine(model, stage: int, bucket: int, accumulation: int = 1):
     config = {
         "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
             "stage": stage,
@@ -102,33 +105,84 @@ def test_stage2_staging_matches_engine():
     assert max(live) == buffer_bytes(layout, settings)["gradient staging"] == 3 * 72 * 4
 
 
-def test_stage3_weights_kept_by_autograd_match_engine():
-    # Stage 3 releases each unit after its forward, but the linear layers saved their weights
-    # (views of the gathered buffers) for backward: those buffers stay alive until then.
-    engine = _engine(_chain(3), stage=3, bucket=72)
-    gathered, kept = set(), {}
+def _gathered_storages(engine) -> list:
+    """Weak references to every gathered buffer that a forward of `engine` creates."""
+    storages = []
 
-    def pack(tensor):
+    def record(module, args):  # registered after the engine's pre-hook: the unit is gathered
         for bucket in engine.optimizer.buckets:
             if bucket.param_buffer is not None:
-                gathered.add(bucket.param_buffer.untyped_storage().data_ptr())
-        storage = tensor.untyped_storage()
-        kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
+                storages.append(StorageWeakRef(bucket.param_buffer.untyped_storage()))
 
-    # An input that requires grad (as a transformer layer's does): every layer keeps its weight.
-    x = torch.randn(2, 8, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = engine(x).square().mean()
-    assert all(b.param_buffer is None for b in engine.optimizer.buckets)  # all released
+    for module in engine.module:
+        module.register_forward_pre_hook(record)
+    return storages
+
+
+def _engine_grads(engine) -> dict:
+    """Parameter name -> the reduced gradient the engine holds (world size 1: whole buckets)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return {
+        names[id(param)]: bucket.grad_shard[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        for bucket in engine.optimizer.buckets
+        for slot, param in zip(bucket.layout.slots, bucket.params)
+    }
+
+
+def test_stage3_released_units_free_their_weights_until_backward():
+    # Linear layers save a view of their weight for backward; under stage 3 that view must not
+    # keep the unit's gathered buffer alive after the unit is released.
+    engine = _engine(_chain(3), stage=3, bucket=72)
+    storages = _gathered_storages(engine)
+    x = torch.randn(2, 8, requires_grad=True)  # as a transformer layer's input: weights saved
+    loss = engine(x).square().mean()
+    gc.collect()
+    assert len(storages) == 3 and all(storage.expired() for storage in storages)
     layout = estimator.model_layout(
         _chain(3), 1, 3, estimator.Options(bucket_numel=72, persistence_threshold=0)
     )
-    settings = BufferSettings(stage=3, num_shards=1, compute_bytes=4, reduce_bytes=4)
-    held = sum(nbytes for ptr, nbytes in kept.items() if ptr in gathered)
-    assert held == buffer_bytes(layout, settings)["kept by autograd"] == 3 * 72 * 4
+    settings = BufferSettings(3, num_shards=1, compute_bytes=4, reduce_bytes=4, prefetch_numel=0)
+    assert buffer_bytes(layout, settings)["gathered parameters"] == 72 * 4  # one unit at a time
     engine.backward(loss)
+    reference = _chain(3)
+    reference(x).square().mean().backward()
+    grads = _engine_grads(engine)
+    for name, param in reference.named_parameters():
+        assert torch.equal(grads[name], param.grad), name
+
+
+class _DetachedUse(torch.nn.Module):
+    """A layer that also uses its weight without gradient. Autograd runs later-created nodes
+    first, so that product's backward runs after the weight's gradient has arrived and before
+    the bias's (its other use was created first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, h):
+        bias = self.linear.bias * 2.0
+        return bias + h @ self.linear.weight.detach().T + self.linear(h)
+
+
+def test_stage3_weight_used_without_gradient_and_second_backward():
+    # The detached product needs the weight after its unit was released by the gradients, and
+    # retain_graph runs a second backward through the same saved weights.
+    def chain():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(_DetachedUse(), _DetachedUse())
+
+    x = torch.randn(2, 8, requires_grad=True)
+    reference = chain()
+    reference(x).square().mean().backward()
+    engine = _engine(chain(), stage=3, bucket=64, accumulation=2)  # weight, bias apart
+    loss = engine(x).square().mean()
+    engine.backward(loss, retain_graph=True)  # each backward adds half the gradient
     engine.step()
+    engine.backward(loss)
+    grads = _engine_grads(engine)
+    for name, param in reference.named_parameters():
+        assert torch.allclose(grads[name], param.grad, rtol=0, atol=1e-7), name
 
 
 def test_peak_adds_runtime_and_allocator_to_the_largest_moment():

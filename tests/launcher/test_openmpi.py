@@ -73,11 +73,24 @@ def test_failed_rank_ends_the_job_with_its_code(openmpi_env, tmp_path):
 
 
 def test_direct_mpirun_ranks_read_ompi_variables(openmpi_env, tmp_path):
+    def run():
+        # --oversubscribe: 2 ranks even where mpirun counts fewer cores.
+        command = ["mpirun", "-np", "2", "--oversubscribe", "-x", "MASTER_ADDR=127.0.0.1"]
+        command += ["-x", f"MASTER_PORT={port}", sys.executable, script]
+        return run_job(tmp_path, command, openmpi_env)
+
+    script = write_script(tmp_path, DIRECT_LAUNCH)
     port = str(find_free_port())
-    # --oversubscribe: 2 ranks even where mpirun counts fewer cores.
-    command = ["mpirun", "-np", "2", "--oversubscribe", "-x", "MASTER_ADDR=127.0.0.1"]
-    command += ["-x", f"MASTER_PORT={port}", sys.executable, write_script(tmp_path, DIRECT_LAUNCH)]
-    result = run_job(tmp_path, command, openmpi_env)
+    result = run()
+    if result.returncode == 134 and "terminate called without an active exception" in (
+        result.stdout + result.stderr
+    ):
+        # A rank aborting in torch's gloo teardown after destroy_process_group (about one suite
+        # run in twenty on a loaded 2-core machine, never reproduced alone); the launch under
+        # test is already done. Run the job once more; a second abort fails the test.
+        print(result.stdout + result.stderr, file=sys.stderr)
+        port = str(find_free_port())
+        result = run()
     assert result.returncode == 0, result.stdout + result.stderr
     records = read_records(tmp_path, 2)
     for rank, record in enumerate(records):

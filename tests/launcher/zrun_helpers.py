@@ -92,7 +92,8 @@ def write(tmp_path, name, text):
 
 
 def write_script(tmp_path, body):
-    header = "import json, os, subprocess, sys, time\n"
+    # faulthandler: a rank that aborts (SIGABRT) prints every thread's Python stack.
+    header = "import faulthandler, json, os, subprocess, sys, time\nfaulthandler.enable()\n"
     header += f"MARKER = {str(tmp_path)!r}\nOUT = {str(tmp_path)!r}\n"
     return write(tmp_path, "script.py", header + textwrap.dedent(body))
 
