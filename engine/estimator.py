@@ -234,9 +234,10 @@ def estimate(
     model=None,
     shape: TransformerShape | None = None,
 ) -> list[Estimate]:
-    """Every stage 0-3 without offload, stages 1-2 with optimizer offload (zero offloads stages
-    1-2 only). `model` (optional, may live on the meta device) gives the exact layout; `shape`
-    adds the activations of one micro-batch (without it, per_device counts no activations)."""
+    """Every stage 0-3 without offload, stages 1-2 with optimizer offload (stage 3's optimizer
+    and parameter offload are not estimated). `model` (optional, may live on the meta device)
+    gives the exact layout; `shape` adds the activations of one micro-batch (without it,
+    per_device counts no activations)."""
     activations, retention = None, 0
     if shape is not None:
         compute = DTYPE_BYTES[options.dtype]
