@@ -12,7 +12,8 @@ A unit is SHARDED (each rank holds its 1/N slice; the module's parameters are 0-
 placeholders) or GATHERED (full parameters in a transient buffer). It is gathered by a forward
 pre-hook, released by the forward hook, gathered again when the first gradient reaches its
 outputs (a multi-grad hook registered during forward), and released once every parameter of a
-bucket has its gradient (the gradient is then in the reduce-scatter buffer). A forward that runs
+bucket has its gradient (the gradient is then in the reduce-scatter buffer); a unit of frozen
+parameters only, once the gradients of its inputs are computed. A forward that runs
 inside backward (an activation-checkpoint recomputation) keeps its units gathered: its saved
 tensors are used at once, and the gradients release the units.
 
@@ -158,6 +159,14 @@ class ParamGatherer:
         def hook(module, args):
             self._trace.append(unit.index)
             self.fetch(unit, "forward")
+            # A unit of frozen parameters gets no gradients that would release it in backward:
+            # release it once the gradients of its inputs are computed (its backward is done).
+            frozen = all(b.master is None for b in unit.buckets)
+            inputs = [t for t in _tensors(args) if t.requires_grad]
+            if frozen and inputs and torch.is_grad_enabled() and not _in_backward():
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, lambda grads: self.release(unit), mode="all"
+                )
 
         return hook
 
@@ -284,7 +293,7 @@ class ParamGatherer:
     def release_bucket_after_backward(self, bucket) -> None:
         """All gradients of the bucket arrived: its full parameters are no longer needed. Once
         every trainable bucket of the unit is released, so are its frozen buckets (a unit of
-        frozen parameters only is released at the end of backward)."""
+        frozen parameters only is released when its inputs' gradients are computed)."""
         unit = self.units[bucket.layout.unit]
         if unit.pinned or unit.persistent:
             return

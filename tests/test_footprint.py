@@ -194,3 +194,23 @@ def test_peak_adds_runtime_and_allocator_to_the_largest_moment():
     assert peak.buffers["receive buffers"] == 1000 // 2 * 2
     assert peak.backward == 4000 + 3000 > max(peak.end_of_backward, peak.step)
     assert peak.total == 10_000 + 7 + 5 + 7000
+
+
+def test_stage3_frozen_units_are_released_during_backward():
+    # Frozen layers above a trained one (as when the top of a model is frozen): backward runs
+    # through them, and each must be released once its inputs' gradients are computed, not at
+    # the end of backward.
+    model = _chain(4)
+    for layer in model[1:]:
+        layer.requires_grad_(False)
+    engine = _engine(model, stage=3, bucket=72)
+    gathered_frozen = []
+
+    def sample(param):  # the first layer's gradient: every frozen layer's backward is done
+        gathered_frozen.append(sum(b.param_buffer is not None for b in engine.frozen.buckets))
+
+    engine.module[0].weight.register_post_accumulate_grad_hook(sample)
+    x = torch.randn(2, 8)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    assert gathered_frozen == [0]
