@@ -23,7 +23,7 @@ from . import gathered
 from .accelerator import Accelerator
 from .comm import Communicator
 from .flat import FlatLayout
-from .init import full_numel, is_partitioned, take_full
+from .init import full_numel, guard_load_state_dict, is_partitioned, take_full
 from .lr_schedules import build_scheduler
 from .monitor import StepMonitor
 from .optim import build_optimizer, resolve_optimizer
@@ -138,6 +138,8 @@ class Engine(torch.nn.Module):
             self.module.register_state_dict_post_hook(
                 lambda *args: self._release_after_state_dict(*args)
             )
+            for module in self.module.modules():
+                guard_load_state_dict(module)
         gathered.register(self.optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
         self.phase = Phase.IDLE

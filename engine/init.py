@@ -78,6 +78,29 @@ class InitShard:
         return self.shape.numel()
 
 
+def guard_load_state_dict(module: torch.nn.Module) -> None:
+    """Make module.load_state_dict() raise, naming the key, instead of failing on (or silently
+    skipping) a size mismatch when a full value meets a partitioned parameter's 0-element
+    placeholder (stage 3 engines and zero.Init models). Registers once per module."""
+    if getattr(module, "_zero_load_guard", False):
+        return
+    module._zero_load_guard = True
+    module.register_load_state_dict_pre_hook(_refuse_load_into_placeholder)
+
+
+def _refuse_load_into_placeholder(module, state_dict, prefix, *args) -> None:
+    for name, param in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if torch.is_tensor(value) and param.numel() == 0 and value.numel() > 0:
+            raise RuntimeError(
+                f"load_state_dict: '{prefix + name}' is partitioned (ZeRO stage 3 or zero.Init: "
+                "outside its module's forward it is a 0-element placeholder), so the full value "
+                "cannot be copied into it. Load inside `with zero.GatheredParameters("
+                "list(model.parameters()), modifier_rank=0):` (rank 0's values reach every "
+                "rank's shard on exit), or resume a zero checkpoint with engine.load_checkpoint"
+            )
+
+
 def is_partitioned(tensor) -> bool:
     """True for a parameter built under zero.Init and not yet laid out by an engine."""
     return isinstance(getattr(tensor, "zero_shard", None), InitShard)
@@ -244,6 +267,7 @@ class Init:
         for param in module.parameters(recurse=False):
             if not is_partitioned(param) and param.numel() > 0:
                 self._partition(param)
+        guard_load_state_dict(module)
 
     def _partition_tree(self, module) -> None:
         for param in module.parameters():

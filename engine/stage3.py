@@ -177,10 +177,28 @@ class ParamGatherer:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
+            self._check_not_modified(unit)
             if not _in_backward():  # a recomputation's saved tensors are about to be used
                 self.release(unit)
 
         return hook
+
+    def _check_not_modified(self, unit: Unit) -> None:
+        """Raise if the unit's forward wrote into a gathered parameter in place: the write would
+        be lost with the gathered copy (its shards and fp32 master weights never see it)."""
+        for bucket in unit.buckets:
+            for param, version in zip(bucket.params, bucket.versions):
+                if param._version != version:
+                    names = (n for n, p in unit.module.named_parameters() if p is param)
+                    name = next(names, "?")
+                    raise RuntimeError(
+                        f"rank {self.comm.rank}: parameter '{name}' of unit '{unit.name}' was "
+                        "modified in place during its forward (nn.Embedding(max_norm=...) "
+                        "renormalizes rows in place, for example). Under ZeRO stage 3 a forward "
+                        "runs on a gathered copy that is released afterwards, so the change "
+                        "would be lost; modify parameters outside forward under "
+                        "zero.GatheredParameters(params, modifier_rank=0), or use stage 0-2"
+                    )
 
     def fetch(self, unit: Unit, direction: str | None = None) -> None:
         """Make `unit` GATHERED (waiting for a prefetch in flight), then prefetch what followed it
@@ -404,6 +422,7 @@ class _FrozenBucket:
         self.param_shard = None
         self.param_buffer = None
         self.pending = None
+        self.versions = []  # parameters' version counters when last gathered
         self.master = None
 
 
@@ -447,6 +466,7 @@ def _finish_gather_bucket(bucket) -> None:
     bucket.pending = None
     for slot, param in zip(bucket.layout.slots, bucket.params):
         param.data = bucket.param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    bucket.versions = [param._version for param in bucket.params]  # see _check_not_modified
 
 
 @dataclass

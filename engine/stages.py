@@ -122,6 +122,7 @@ class Bucket:
         self.recv = None
         self.handle = Handle()
         self.pending = None  # stage 3: the all-gather of param_buffer in flight (prefetch)
+        self.versions = []  # stage 3: the parameters' version counters when last gathered
         self.state = BucketState.FILLING
         self.arrived = [False] * len(params)
         self.num_arrived = 0
