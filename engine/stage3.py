@@ -13,9 +13,15 @@ placeholders) or GATHERED (full parameters in a transient buffer). It is gathere
 pre-hook, released by the forward hook, gathered again when the first gradient reaches its
 outputs (a multi-grad hook registered during forward), and released once every parameter of a
 bucket has its gradient (the gradient is then in the reduce-scatter buffer); a unit of frozen
-parameters only, once the gradients of its inputs are computed. A forward that runs
-inside backward (an activation-checkpoint recomputation) keeps its units gathered: its saved
-tensors are used at once, and the gradients release the units.
+parameters only, once the gradients of its inputs are computed. A forward that runs inside
+backward (an activation-checkpoint recomputation) keeps its units gathered: its saved tensors
+are used at once, and the gradients release the units. A forward that writes into a gathered
+parameter in place raises (the write would be lost with the gathered copy). A parameter used
+outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
+caught by UsageGuard, a TorchFunctionMode active during engine(...): it gathers the parameter's
+unit on the spot and pins it, so it stays gathered until the end of backward. All ranks run the
+same modules in the same order, so every rank issues the same all-gathers in the same order;
+a rank that skips a module another rank runs makes the collectives differ (see docs/stages.md).
 
 [Note: saved weights]
 Layers save their weights for backward (a linear layer saves a view of its weight), and a saved
@@ -23,12 +29,8 @@ view would keep the whole gathered buffer alive from the unit's forward to its b
 released unit would free nothing. During engine(...) saved-tensor hooks replace a saved tensor
 that lies in a gathered buffer with a reference (bucket, offset, shape, strides); backward's
 unpack gathers the unit again if needed and hands out the same view of the new buffer. Inside a
-checkpointed region the checkpoint's own hooks apply instead (they save nothing). A parameter used
-outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
-caught by UsageGuard, a TorchFunctionMode active during engine(...): it gathers the parameter's
-unit on the spot and pins it, so it stays gathered until the end of backward. All ranks run the
-same modules in the same order, so every rank issues the same all-gathers in the same order;
-a rank that skips a module another rank runs makes the collectives differ (see docs/stages.md).
+checkpointed region the checkpoint's own hooks apply instead (they save nothing). Buffers are
+never freed in place, so a view that anyone else keeps stays valid (it just keeps its memory).
 """
 
 import contextlib
