@@ -172,6 +172,7 @@ class Engine(torch.nn.Module):
             threshold,
             zero_cfg.stage3_module_classes or (),
             zero_cfg.stage3_param_persistence_threshold,
+            zero_cfg.stage3_model_persistence_threshold,
         )
 
     def _num_shards(self) -> int:

@@ -56,6 +56,7 @@ class Options:
     gradient reduction, None for the compute dtype [communication_data_type]. Sizes in elements:
     bucket_numel [reduce_bucket_size], allgather_numel [allgather_bucket_size], prefetch_numel
     [stage3_prefetch_bucket_size], persistence_threshold [stage3_param_persistence_threshold],
+    persistence_total [stage3_model_persistence_threshold],
     unit_threshold [stage3_module_granularity_threshold, 0: bucket_numel].
     gradient_accumulation_steps [same]. checkpointing: activation checkpointing of every layer.
     cpu: the ranks are CPU processes (gloo copies collective buffers; glibc's heap retention,
@@ -70,6 +71,7 @@ class Options:
     allgather_numel: int = 500_000_000
     prefetch_numel: int = 50_000_000
     persistence_threshold: int = 100_000
+    persistence_total: int = sys.maxsize
     unit_threshold: int = 0
     gradient_accumulation_steps: int = 1
     checkpointing: bool = False
@@ -89,6 +91,7 @@ class Options:
             allgather_numel=zero.allgather_bucket_size,
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             persistence_threshold=zero.stage3_param_persistence_threshold,
+            persistence_total=zero.stage3_model_persistence_threshold,
             unit_threshold=zero.stage3_module_granularity_threshold,
             gradient_accumulation_steps=config.gradient_accumulation_steps or 1,
         )
@@ -153,7 +156,9 @@ def model_layout(model, num_shards: int, stage: int, options: Options) -> Layout
     units, unit_of = [], None
     if stage == 3:
         threshold = options.unit_threshold or options.bucket_numel
-        units, unit_of = choose_units(model, threshold, (), options.persistence_threshold)
+        units, unit_of = choose_units(
+            model, threshold, (), options.persistence_threshold, options.persistence_total
+        )
     seen, named = set(), []
     for name, param in model.named_parameters():
         if param.requires_grad and param.numel() and id(param) not in seen:

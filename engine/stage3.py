@@ -35,6 +35,7 @@ never freed in place, so a view that anyone else keeps stays valid (it just keep
 
 import contextlib
 import enum
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -64,15 +65,26 @@ class Unit:
 
 
 def choose_units(
-    model: torch.nn.Module, threshold: int, class_names=(), persist_below: int = 0
+    model: torch.nn.Module,
+    threshold: int,
+    class_names=(),
+    persist_below: int = 0,
+    persist_total: int = sys.maxsize,
 ) -> tuple[list, dict]:
     """Split `model` into fetch units. Returns (units, unit index by id(param)) for non-empty
     parameters, trainable and frozen; a parameter shared by several modules belongs to the first
     unit that reaches it in module order. Parameters with fewer than `persist_below` elements
-    (stage3_param_persistence_threshold) form one persistent unit that stays gathered."""
+    (stage3_param_persistence_threshold) form one persistent unit that stays gathered, taken in
+    module order while their total stays within `persist_total` elements
+    (stage3_model_persistence_threshold)."""
     units: list[Unit] = []
     unit_of: dict[int, int] = {}
-    small = [p for p in model.parameters() if 0 < full_numel(p) < persist_below]
+    small, total = [], 0
+    for param in model.parameters():
+        numel = full_numel(param)
+        if 0 < numel < persist_below and total + numel <= persist_total:
+            small.append(param)
+            total += numel
     if small:
         units.append(Unit(0, "<persistent>", model, persistent=True))
         unit_of.update({id(p): 0 for p in small})

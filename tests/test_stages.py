@@ -458,22 +458,33 @@ def test_gathered_parameters_and_16bit_save(tmp_path):
 
 def stage3_persistence():
     """stage3_param_persistence_threshold 20: the 7-element biases and norm parameters stay
-    gathered (one all-gather per step after the update); the rest is partitioned."""
-    cfg = config(3, 2, 1.0, 2)
-    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 20
-    data = batches(2, 2, same_modules=True)
-    engine, norms = train_engine(cfg, data)
-    sizes = {n: p.numel() for n, p in engine.module.named_parameters() if p.requires_grad}
-    ref, ref_norms = reference(data, 2, 2, 1.0)
-    return sizes, max_param_diff(engine, ref), norms, ref_norms
+    gathered (one all-gather per step after the update); the rest is partitioned. With
+    stage3_model_persistence_threshold 21 only the first three of them in module order
+    (proj.bias, the frozen bias, extra.bias) do."""
+    results = {}
+    for total in (None, 21):
+        cfg = config(3, 2, 1.0, 2)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 20
+        if total is not None:
+            cfg["zero_optimization"]["stage3_model_persistence_threshold"] = total
+        data = batches(2, 2, same_modules=True)
+        engine, norms = train_engine(cfg, data)
+        sizes = {n: p.numel() for n, p in engine.module.named_parameters() if p.requires_grad}
+        ref, ref_norms = reference(data, 2, 2, 1.0)
+        results[total] = sizes, max_param_diff(engine, ref), norms, ref_norms
+    return results
 
 
 def test_stage3_persistent_small_parameters():
-    for sizes, diff, norms, ref_norms in run_ranks(stage3_persistence, 2):
-        small = {"proj.bias", "extra.bias", "norm.weight", "norm.bias"}
-        assert {n for n, size in sizes.items() if size > 0} == small, sizes
-        assert diff <= 1e-6
-        assert norms == pytest.approx(ref_norms, rel=1e-6)
+    small = {
+        None: {"proj.bias", "extra.bias", "norm.weight", "norm.bias"},
+        21: {"proj.bias", "extra.bias"},
+    }
+    for results in run_ranks(stage3_persistence, 2):
+        for total, (sizes, diff, norms, ref_norms) in results.items():
+            assert {n for n, size in sizes.items() if size > 0} == small[total], sizes
+            assert diff <= 1e-6
+            assert norms == pytest.approx(ref_norms, rel=1e-6)
 
 
 def stage3_prefetch(prefetch):
