@@ -535,6 +535,8 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
                 engine.frozen.write(tensor, value)  # stage 3: a partitioned frozen parameter
             else:
                 tensor.copy_(value.to(tensor.dtype))
+        if engine.gatherer is not None:
+            engine.gatherer.forget_writes()  # the checkpoint's values replace them
         engine.optimizer.refresh_params()
     if not module_only:
         _apply_training_state(engine, meta, load_optimizer, load_scheduler)

@@ -320,8 +320,18 @@ class Engine(torch.nn.Module):
         if self.gatherer is None:
             with timer:
                 return self.module(*args, **kwargs)
-        with timer, UsageGuard(self.gatherer), self.gatherer.saved_weights():
-            output = self.module(*args, **kwargs)
+        try:
+            with timer, UsageGuard(self.gatherer), self.gatherer.saved_weights():
+                output = self.module(*args, **kwargs)
+        except RuntimeError as error:
+            if "saved tensor hooks" not in str(error):
+                raise
+            raise RuntimeError(
+                f"rank {self.comm.rank}: {error} Under ZeRO stage 3 engine(...) runs the model "
+                "with saved-tensor hooks (they let a released unit's weights be freed until "
+                "backward), so torch.func transforms cannot run inside the model's forward; run "
+                "them outside engine(...) or use stage 0-2"
+            ) from error
         if not training:
             self.gatherer.release_all()  # no backward follows: release pinned units now
         return output

@@ -125,3 +125,4 @@ def _publish_modification(optimizer, params, src: int) -> None:
             bucket.param_shard.copy_(owned)
         if bucket.master is not None and bucket.master is not bucket.param_shard:
             bucket.master.copy_(owned)
+        bucket.versions = [param._version for param in bucket.params]  # published: not lost

@@ -191,28 +191,10 @@ class ParamGatherer:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
-            self._check_not_modified(unit)
             if not _in_backward():  # a recomputation's saved tensors are about to be used
                 self.release(unit)
 
         return hook
-
-    def _check_not_modified(self, unit: Unit) -> None:
-        """Raise if the unit's forward wrote into a gathered parameter in place: the write would
-        be lost with the gathered copy (its shards and fp32 master weights never see it)."""
-        for bucket in unit.buckets:
-            for param, version in zip(bucket.params, bucket.versions):
-                if param._version != version:
-                    names = (n for n, p in unit.module.named_parameters() if p is param)
-                    name = next(names, "?")
-                    raise RuntimeError(
-                        f"rank {self.comm.rank}: parameter '{name}' of unit '{unit.name}' was "
-                        "modified in place during its forward (nn.Embedding(max_norm=...) "
-                        "renormalizes rows in place, for example). Under ZeRO stage 3 a forward "
-                        "runs on a gathered copy that is released afterwards, so the change "
-                        "would be lost; modify parameters outside forward under "
-                        "zero.GatheredParameters(params, modifier_rank=0), or use stage 0-2"
-                    )
 
     def fetch(self, unit: Unit, direction: str | None = None) -> None:
         """Make `unit` GATHERED (waiting for a prefetch in flight), then prefetch what followed it
@@ -255,15 +237,50 @@ class ParamGatherer:
 
     def _release_bucket(self, bucket) -> None:
         if bucket.param_buffer is not None:
+            self._check_not_modified(bucket)
             self._gathered_storage.pop(bucket.param_buffer.untyped_storage().data_ptr(), None)
         placeholder = torch.empty(0, dtype=bucket.param_shard.dtype, device=self.device)
         for param in bucket.params:
             param.data = placeholder
         bucket.param_buffer = None
 
+    def _check_not_modified(self, bucket) -> None:
+        """Raise if a gathered parameter was written in place since it was gathered (or since a
+        zero.GatheredParameters modification was published): releasing it would lose the write,
+        which never reaches the shards and fp32 master weights."""
+        for param, version in zip(bucket.params, bucket.versions):
+            if param._version != version:
+                unit = self.units[bucket.layout.unit]
+                names = (n for n, p in unit.module.named_parameters() if p is param)
+                raise RuntimeError(
+                    f"rank {self.comm.rank}: parameter '{next(names, '?')}' of unit "
+                    f"'{unit.name}' was modified in place while gathered: during a forward "
+                    "(nn.Embedding(max_norm=...) renormalizes rows in place), by "
+                    "load_state_dict(), or under zero.GatheredParameters without modifier_rank. "
+                    "Under ZeRO stage 3 the gathered copy never reaches the shards and fp32 "
+                    "master weights, so the change would be lost; make it outside forward under "
+                    "zero.GatheredParameters(params, modifier_rank=0), or use stage 0-2"
+                )
+
     def saved_weights(self):
-        """Saved-tensor hooks for engine(...): see [Note: saved weights]."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        """Saved-tensor hooks for engine(...): see [Note: saved weights]. Hooks the caller
+        installed around engine(...) (torch.autograd.graph.save_on_cpu) still handle every other
+        saved tensor."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer or (None, None)
+
+        def pack(tensor):
+            saved = self._pack(tensor)
+            if saved is tensor and outer_pack is not None:
+                return _OuterSaved(outer_pack(tensor))
+            return saved
+
+        def unpack(saved):
+            if isinstance(saved, _OuterSaved):
+                return outer_unpack(saved.value)
+            return self._unpack(saved)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _pack(self, tensor):
         if tensor.layout is not torch.strided or tensor.device != self.device:
@@ -344,6 +361,13 @@ class ParamGatherer:
         if self._trace:
             self._order, self._trace = self._trace, []
         self._cursor = {"forward": 0, "backward": 0}
+
+    def forget_writes(self) -> None:
+        """Accept in-place writes to gathered parameters without an error: a checkpoint load is
+        about to replace their values from the shards."""
+        for bucket in self.buckets:
+            if bucket.param_buffer is not None:
+                bucket.versions = [param._version for param in bucket.params]
 
     def refresh_persistent(self) -> None:
         """After an optimizer step: gather the persistent unit's updated values again."""
@@ -480,7 +504,7 @@ def _finish_gather_bucket(bucket) -> None:
     bucket.pending = None
     for slot, param in zip(bucket.layout.slots, bucket.params):
         param.data = bucket.param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
-    bucket.versions = [param._version for param in bucket.params]  # see _check_not_modified
+    bucket.versions = [param._version for param in bucket.params]  # see _check_not_modified()
 
 
 @dataclass
@@ -491,6 +515,13 @@ class _SavedWeight:
     offset: int
     shape: torch.Size
     stride: tuple
+
+
+@dataclass
+class _OuterSaved:
+    """A saved tensor as the caller's own saved-tensor hooks packed it."""
+
+    value: object
 
 
 def _in_backward() -> bool:

@@ -1,6 +1,10 @@
-"""Stage 3 refuses what it cannot do instead of losing data: an in-place write to a parameter
-during forward, and load_state_dict() of full values into partitioned parameters (single
-process: the same gather and release code paths as N ranks)."""
+"""Stage 3 refuses what it cannot do instead of losing data: an in-place write to a gathered
+parameter that would be released without reaching the shards (during forward, by
+load_state_dict(), under a read-only GatheredParameters; persistent parameters too), full values
+loaded into partitioned parameters, torch.func inside forward; and what it keeps working: a
+modification published by GatheredParameters(modifier_rank=0) followed by a forward inside the
+same block, saved-tensor hooks the caller installs around engine(...) (single process: the same
+gather and release code paths as N ranks)."""
 
 import pytest
 import torch
@@ -13,6 +17,12 @@ CONFIG = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
 }
+PERSISTENT = {
+    **CONFIG,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10**6},
+}
+X, Y = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), torch.tensor([0, 1])
+MODIFIED = r"parameter '0.weight' of unit '.*' was modified in place while gathered"
 
 
 def _model():
@@ -26,10 +36,13 @@ def test_in_place_write_during_forward_is_refused():
     # nn.Embedding(max_norm) renormalizes the rows it looks up in place during forward.
     engine, _, _, _ = zero.initialize(model=_model(), config=CONFIG)
     x = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
-    with pytest.raises(
-        RuntimeError, match=r"parameter '0.weight' of unit '<root>' was modified in place"
-    ):
+    with pytest.raises(RuntimeError, match=MODIFIED):
         engine(x)
+    # Persistent parameters are never released in forward: the loss shows at the step's refresh.
+    engine, _, _, _ = zero.initialize(model=_model(), config=PERSISTENT)
+    engine.backward(F.cross_entropy(engine(X), Y))
+    with pytest.raises(RuntimeError, match=MODIFIED):
+        engine.step()
     # Without max_norm the same model trains.
     model = _model()
     model[0].max_norm = None
@@ -53,3 +66,58 @@ def test_load_state_dict_into_partitioned_parameters():
         model = _model()
     with pytest.raises(RuntimeError, match=r"load_state_dict: '0.weight' is partitioned"):
         model.load_state_dict(full)
+
+
+def test_modifications_outside_forward():
+    model = _model()
+    model[0].max_norm = None
+    engine, _, _, _ = zero.initialize(model=model, config=CONFIG)
+    weight = engine.module[0].weight
+    # Published by modifier_rank: a forward inside the same block is fine, the change is kept.
+    with zero.GatheredParameters([weight], modifier_rank=0):
+        with torch.no_grad():
+            weight.mul_(0.5)
+        expected = weight.detach().clone()
+        engine(X)
+    with zero.GatheredParameters([weight]):
+        assert torch.equal(weight, expected)
+    # A read-only gather would drop the write: refused when the context releases it.
+    gathered = zero.GatheredParameters([weight])
+    with pytest.raises(RuntimeError, match=MODIFIED), gathered, torch.no_grad():
+        weight.zero_()
+    # load_state_dict into persistent parameters (full-size, not placeholders): refused too.
+    engine, _, _, _ = zero.initialize(model=_model(), config=PERSISTENT)
+    engine.module[0].max_norm = None
+    engine.module.load_state_dict(_model().state_dict())
+    engine.backward(F.cross_entropy(engine(X), Y))
+    with pytest.raises(RuntimeError, match=r"parameter '.*' of unit '<persistent>' was modified"):
+        engine.step()
+
+
+def test_callers_saved_tensor_hooks_and_torch_func():
+    model = _model()
+    model[0].max_norm = None
+    engine, _, _, _ = zero.initialize(model=model, config=CONFIG)
+    packed = []
+
+    def pack(tensor):
+        packed.append(tensor.shape)
+        return tensor.clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(engine(X), Y)
+    assert packed  # the activations still go through the caller's hooks
+    engine.backward(loss)
+    engine.step()
+
+    class FuncInside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.func.grad(lambda v: self.linear(v).sum())(x)
+
+    engine, _, _, _ = zero.initialize(model=FuncInside(), config=CONFIG)
+    with pytest.raises(RuntimeError, match="torch.func transforms cannot run inside"):
+        engine(torch.randn(2, 4))
