@@ -171,8 +171,11 @@ class ParamGatherer:
 
     def _pre_forward(self, unit: Unit):
         def hook(module, args):
-            self._trace.append(unit.index)
-            self.fetch(unit, "forward")
+            if _in_backward():  # a recomputation: not part of the forward order
+                self.fetch(unit)
+            else:
+                self._trace.append(unit.index)
+                self.fetch(unit, "forward")
             # A unit of frozen parameters gets no gradients that would release it in backward:
             # release it once the gradients of its inputs are computed (its backward is done).
             frozen = all(b.master is None for b in unit.buckets)

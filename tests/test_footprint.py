@@ -214,3 +214,33 @@ def test_stage3_frozen_units_are_released_during_backward():
     engine.backward(engine(x).square().mean())
     engine.step()
     assert gathered_frozen == [0]
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_stage3_recomputation_is_not_recorded_as_forward_order():
+    # Recomputations run inside backward; recorded as forward order, they would make the next
+    # step's last forward prefetch every checkpointed unit and hold it until backward.
+    engine = _engine(_Checkpointed(), stage=3, bucket=72)
+    for _ in range(2):
+        loss = engine(torch.randn(2, 8)).square().mean()
+        assert all(b.param_buffer is None for b in engine.optimizer.buckets)
+        engine.backward(loss)
+        engine.step()
+    assert [engine.gatherer.units[i].name for i in engine.gatherer._order] == [
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "head",
+    ]
