@@ -326,21 +326,22 @@ class _Catch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.init._busy:
-            params = [t for t in _flatten((args, kwargs)) if is_partitioned(t)]
+            params = [t for t in tensors_in((args, kwargs)) if is_partitioned(t)]
             if params:
                 self.init.touch(list({id(p): p for p in params}.values()))
         return func(*args, **kwargs)
 
 
-def _flatten(value):
+def tensors_in(value):
+    """The tensors in `value`, searching lists, tuples and dict values recursively."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _flatten(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _flatten(item)
+            yield from tensors_in(item)
 
 
 def _module_classes() -> set:

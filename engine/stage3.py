@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .init import full_numel
+from .init import full_numel, tensors_in
 
 
 class UnitState(enum.Enum):
@@ -179,7 +179,7 @@ class ParamGatherer:
             # A unit of frozen parameters gets no gradients that would release it in backward:
             # release it once the gradients of its inputs are computed (its backward is done).
             frozen = all(b.master is None for b in unit.buckets)
-            inputs = [t for t in _tensors(args) if t.requires_grad]
+            inputs = [t for t in tensors_in(args) if t.requires_grad]
             if frozen and inputs and torch.is_grad_enabled() and not _in_backward():
                 torch.autograd.graph.register_multi_grad_hook(
                     inputs, lambda grads: self.release(unit), mode="all"
@@ -189,7 +189,7 @@ class ParamGatherer:
 
     def _post_forward(self, unit: Unit):
         def hook(module, args, output):
-            outputs = [t for t in _tensors(output) if t.requires_grad]
+            outputs = [t for t in tensors_in(output) if t.requires_grad]
             if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
@@ -529,14 +529,3 @@ class _OuterSaved:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _tensors(output):
-    if torch.is_tensor(output):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from _tensors(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors(item)
