@@ -14,9 +14,10 @@ pre-hook, released by the forward hook, gathered again when the first gradient r
 outputs (a multi-grad hook registered during forward), and released once every parameter of a
 bucket has its gradient (the gradient is then in the reduce-scatter buffer); a unit of frozen
 parameters only, once the gradients of its inputs are computed. A forward that runs inside
-backward (an activation-checkpoint recomputation) keeps its units gathered: its saved tensors
-are used at once, and the gradients release the units. A forward that writes into a gathered
-parameter in place raises (the write would be lost with the gathered copy). A parameter used
+backward (an activation-checkpoint recomputation) keeps its units gathered (its saved tensors
+are used at once, and the gradients release the units) and is not recorded as forward order. An
+in-place write to a gathered parameter that a release would lose raises instead
+(_check_not_modified). A parameter used
 outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
 caught by UsageGuard, a TorchFunctionMode active during engine(...): it gathers the parameter's
 unit on the spot and pins it, so it stays gathered until the end of backward. All ranks run the
