@@ -30,6 +30,7 @@ _MODULES = {
     "lr_schedules": "lr_schedules",
     "ops": "ops",
     "init": "init",
+    "utils": "utils",
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])

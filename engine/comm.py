@@ -11,6 +11,8 @@ process group, so single-process runs take exactly the code path of multi-rank r
 crosses a network then, so nothing is counted.
 """
 
+import datetime
+import enum
 import logging
 import os
 import time
@@ -65,9 +67,16 @@ class CommLedger:
 class Handle:
     """The pair of an asynchronous collective: `wait()` finishes it (idempotent)."""
 
-    def __init__(self, work=None, on_done=None):
+    def __init__(self, work=None, on_done=None, blocks_host=True):
         self._work = work
         self._on_done = on_done  # timing: on_done(wait_start) once the collective has finished
+        # wait() blocks the calling thread (gloo on host tensors); NCCL's wait only makes the
+        # current CUDA stream wait for the collective.
+        self.blocks_host = blocks_host
+
+    def done(self) -> bool:
+        """True once the collective has finished (never blocks)."""
+        return self._work is None or self._work.is_completed()
 
     def wait(self) -> None:
         start = time.perf_counter()
@@ -99,12 +108,42 @@ class Communicator:
         # for every collective while timing is on.
         self.timing: frozenset | None = None
         self.verbose = False  # log every collective as it is issued
+        self.agreement: Agreement | None = None  # set by start_agreement()
+        self._siblings: list[Communicator] = []
+
+    def sibling(self, purpose: str) -> "Communicator":
+        """A Communicator over the same ranks on a process group of its own (same backend),
+        counting into this one's ledger, for collectives whose order relative to this group's
+        may differ between ranks (stage 3's gradient reduce-scatters, see engine/stage3.py).
+        Collective over the group's ranks at the first call for `purpose`; cached after."""
+        if self.world_size == 1:
+            group = None
+        else:
+            group = _side_group(purpose, self._global_ranks(), None, None)
+        other = Communicator(group, self.rank, self.world_size)
+        other.ledger = self.ledger
+        self._siblings.append(other)
+        return other
+
+    def start_agreement(self, timeout_s: float) -> "Agreement | None":
+        """Check, before zero's collectives, that every rank is about to do the same thing
+        (see [Note: agreement across ranks]). Collective at the first call per timeout."""
+        if self.world_size > 1 and self.agreement is None:
+            self.agreement = Agreement(self._global_ranks(), self.rank, timeout_s)
+        return self.agreement
+
+    def _global_ranks(self) -> list[int]:
+        if self.group is None:
+            return list(range(dist.get_world_size()))
+        return dist.get_process_group_ranks(self.group)
 
     def enable_timing(self, ops=(), verbose: bool = False) -> None:
         """Time collectives named in `ops` (all when empty) into the ledger's `seconds`, and
         every collective's waiting into `ledger.waited`."""
         self.timing = frozenset(ops)
         self.verbose = verbose
+        for other in self._siblings:
+            other.timing, other.verbose = self.timing, verbose
 
     def _record(self, op: str, elements: int, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
@@ -117,7 +156,7 @@ class Communicator:
     def _run(self, op: str, tensor: torch.Tensor, launch, async_op: bool) -> Handle:
         """Launch a collective (launch() returns torch's work or None) and time it if asked."""
         if self.timing is None:
-            return Handle(launch())
+            return Handle(launch(), blocks_host=not tensor.is_cuda)
         timed = not self.timing or op in self.timing
         start = time.perf_counter()
         work = launch()
@@ -130,7 +169,7 @@ class Communicator:
             seconds = end - start if timed else 0.0
             self.ledger.add_time(op, seconds, launching + end - wait_start)
 
-        handle = Handle(work, on_done=done)
+        handle = Handle(work, on_done=done, blocks_host=True)  # done() synchronizes
         if not async_op:
             handle.wait()
         return handle
@@ -203,6 +242,214 @@ class Communicator:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+# ----- agreement across ranks ----------------------------------------------------------------
+class Intent(enum.IntEnum):
+    """What a rank is about to do, as exchanged by Agreement.check()."""
+
+    LAYOUT = 1  # initialize: idents = (fingerprint of the model, config and layout,)
+    GATHER = 2  # stage 3: idents = the fetch units about to be all-gathered, in order
+    END_BACKWARD = 3  # the last collectives of a micro-batch's backward
+    METHOD = 4  # a collective method: idents = (index in METHODS,)
+
+
+# Collective methods, each checked on entry (Agreement.enter) so that one called on some ranks
+# only ends in an error on every rank instead of a hang.
+METHODS = (
+    "initialize",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_16bit_model",
+    "module.state_dict() under stage 3",
+    "zero.GatheredParameters (enter)",
+    "zero.GatheredParameters (exit, modifier_rank broadcast)",
+)
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks disagreed about the next collective, or some did not arrive in time. Raised on
+    every rank of the group."""
+
+
+class Agreement:
+    """Cross-rank agreement on what each rank does next.
+
+    [Note: agreement across ranks]
+    Every rank must issue zero's collectives in the same order with the same sizes. Where that
+    depends on the user's code (which stage-3 units a forward runs, whether every rank calls
+    save_checkpoint), a rank first says what it is about to do: check() all-reduces (MAX) a few
+    int64 on a gloo process group of its own, with a timeout (`agreement_timeout`). Each slot
+    carries `value * 2**20 + rank` and `-value * 2**20 + rank`, so one all-reduce gives every
+    rank the largest and the smallest value of every slot and a rank holding each: equal means
+    all ranks agree; otherwise every rank raises RankMismatchError naming both ranks' intents,
+    before any collective that differs was issued (a wrong value or a hang never follows).
+    The group is separate from the data collectives' so a check never queues behind an
+    asynchronous all-gather, and on CUDA it runs on the host without synchronizing the device.
+    A rank that does not arrive within the timeout (it skipped a collective method, or it
+    exited) makes the others raise, naming the ranks missing from a collective method (each
+    rank records its arrival in the rendezvous store) or the method another rank waits in.
+
+    `describe(kind, ident)` and `hint(a, b)` (set by the owner) turn intents into words.
+    Collective: every rank of the group calls check() and enter() in the same order.
+    """
+
+    SLOTS = 6  # idents per check; longer lists take several checks
+    _SHIFT = 2**20  # ranks per group this encoding supports
+
+    def __init__(self, ranks: list[int], rank: int, timeout_s: float):
+        self.rank = rank
+        self.world_size = len(ranks)
+        self.timeout_s = timeout_s
+        self.group = _side_group("agreement", ranks, "gloo", timeout_s)
+        self._store = _agreement_store(ranks)
+        self._calls = _METHOD_CALLS.setdefault(tuple(ranks), {})
+        self.describe = _describe_default
+        self.hint = lambda a, b: ""
+        self.checks = 0  # checks made (for the cost figures in docs/performance.md)
+
+    def check(self, kind: Intent, idents=(0,), what: str | None = None) -> None:
+        """Raise RankMismatchError on every rank unless all ranks call check() with the same
+        `kind` and `idents` (ints in 0 .. 2**35). Blocks until every rank arrived or the
+        timeout passed; `what` names the place in messages. Collective."""
+        idents = list(idents) or [0]
+        for start in range(0, len(idents), self.SLOTS):
+            self._check_slots(kind, idents[start : start + self.SLOTS], what)
+
+    def enter(self, method: str) -> None:
+        """Every rank enters collective method `method` (one of METHODS) together; else every
+        rank raises within the timeout, naming the ranks that did not arrive. Collective."""
+        calls = self._calls[method] = self._calls.get(method, 0) + 1
+        if self._store is not None:
+            self._store.set(f"{method}/{calls}/{self.rank}", "1")
+            self._store.set(f"at/{self.rank}", f"{method} (call {calls})")
+        try:
+            self.check(Intent.METHOD, (METHODS.index(method),), f"{method} (call {calls})")
+        finally:
+            if self._store is not None:
+                self._store.delete_key(f"at/{self.rank}")
+
+    def _check_slots(self, kind: Intent, idents: list[int], what) -> None:
+        self.checks += 1
+        values = [int(kind) << 36 | (idents[0] + 1)] + [i + 1 for i in idents[1:]]
+        values += [0] * (self.SLOTS - len(values))
+        encoded = [v * self._SHIFT + self.rank for v in values]
+        encoded += [-v * self._SHIFT + self.rank for v in values]
+        tensor = torch.tensor(encoded, dtype=torch.int64)
+        try:
+            dist.all_reduce(tensor, dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as error:
+            raise self._failure(kind, idents, what, error) from error
+        out = tensor.tolist()
+        for slot in range(self.SLOTS):
+            high, rank_a = divmod(out[slot], self._SHIFT)
+            low_neg, rank_b = divmod(out[self.SLOTS + slot], self._SHIFT)
+            if high != -low_neg:
+                a = _decode(high, slot, values[0] >> 36)
+                b = _decode(-low_neg, slot, values[0] >> 36)
+                raise RankMismatchError(self._mismatch(rank_a, a, rank_b, b))
+
+    def _mismatch(self, rank_a: int, a, rank_b: int, b) -> str:
+        said_a = self.describe(*a) if a[1] is not None else "does nothing more here"
+        said_b = self.describe(*b) if b[1] is not None else "does nothing more here"
+        text = (
+            f"rank {self.rank}: ranks disagree on the next collective: rank {rank_a} "
+            f"{said_a}, while rank {rank_b} {said_b}."
+        )
+        return " ".join(p for p in (text, self.hint(a, b) or _default_fix(a, b)) if p)
+
+    def _failure(self, kind, idents, what, error) -> RankMismatchError:
+        place = what or self.describe(int(kind), idents[0])
+        text = str(error)
+        if "imed out" not in text and "imeout" not in text:
+            return RankMismatchError(
+                f"rank {self.rank}: another rank exited or failed while this rank waited at "
+                f"{place} ({text}); see that rank's error"
+            )
+        return RankMismatchError(
+            f"rank {self.rank}: waited {self.timeout_s:g} s at {place} for the other ranks: "
+            f"{self._whereabouts(kind, what)} Every rank must make the same collective calls "
+            "in the same order; to wait longer, raise the config key agreement_timeout"
+        )
+
+    def _whereabouts(self, kind, what) -> str:
+        if self._store is None:
+            return "some ranks did not arrive."
+        if kind is Intent.METHOD:
+            method, _, call = what.rpartition(" (call ")
+            prefix = f"{method}/{call.rstrip(')')}"
+            ranks = range(self.world_size)
+            missing = [r for r in ranks if not self._store.check([f"{prefix}/{r}"])]
+            if missing:
+                return f"ranks {missing} did not call {method}."
+        elsewhere = []
+        for r in range(self.world_size):
+            if r != self.rank and self._store.check([f"at/{r}"]):
+                where = self._store.get(f"at/{r}").decode()
+                elsewhere.append(f"rank {r} waits in {where}, which this rank did not call")
+        return ("; ".join(elsewhere) + ".") if elsewhere else "some ranks did not arrive."
+
+
+def _decode(value: int, slot: int, kind: int):
+    """(kind, ident or None for an empty slot) of one slot's value."""
+    if slot == 0:
+        return value >> 36, (value & (2**36 - 1)) - 1
+    return kind, value - 1 if value else None
+
+
+def _describe_default(kind: int, ident: int) -> str:
+    if kind == Intent.METHOD:
+        return f"calls {METHODS[ident]}"
+    if kind == Intent.END_BACKWARD:
+        return "ends a backward (engine.backward)"
+    if kind == Intent.LAYOUT:
+        return f"built a model whose parameters, layout and config hash to {ident:#x}"
+    return f"all-gathers stage-3 unit {ident}"
+
+
+def _default_fix(a, b) -> str:
+    kinds = {a[0], b[0]}
+    if Intent.LAYOUT in kinds:
+        return (
+            "Every rank must build the same model (same parameter names, shapes, dtypes and "
+            "requires_grad) and pass the same config to zero.initialize."
+        )
+    if Intent.METHOD in kinds:
+        return (
+            "Collective methods (save_checkpoint, load_checkpoint, save_16bit_model, "
+            "state_dict under stage 3, zero.GatheredParameters) must be called on every rank, "
+            "not under `if rank == 0`."
+        )
+    return (
+        "Under ZeRO stage 3 every rank must run the same modules in the same order "
+        "(see docs/stages.md)."
+    )
+
+
+# Process groups zero creates beside the data-parallel group, per default group: creating one
+# is collective and costs sockets, so engines over the same ranks share them.
+_SIDE_GROUPS: dict[tuple, object] = {}
+_METHOD_CALLS: dict[tuple, dict[str, int]] = {}  # ranks -> method -> calls, shared like groups
+
+
+def _side_group(purpose: str, ranks: list[int], backend, timeout_s):
+    key = (id(dist.distributed_c10d._get_default_group()), purpose, tuple(ranks), timeout_s)
+    if key not in _SIDE_GROUPS:
+        options = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        _SIDE_GROUPS[key] = dist.new_group(
+            ranks, backend=backend, use_local_synchronization=True, **options
+        )
+    return _SIDE_GROUPS[key]
+
+
+def _agreement_store(ranks: list[int]):
+    """The rendezvous store, where ranks record the collective methods they entered (None when
+    torch does not expose it)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return dist.PrefixStore(f"zero-agreement/{ranks[0]}-{len(ranks)}/", store)
 
 
 # ----- model parallelism (ZeRO-R; used by engine/mpu.py) -----------------------------------

@@ -552,6 +552,14 @@ class Config(_Block):
         1.0, ge=0, description="Clip the global gradient L2 norm to this value; 0 disables."
     )
     steps_per_print: Count = Field(10, description="Log progress every this many steps.")
+    agreement_timeout: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="zero's own: seconds a rank waits at a checked collective (stage-3 "
+        "all-gathers, end of backward, collective methods such as save_checkpoint) for the "
+        "other ranks before every rank stops with an error naming the missing ranks.",
+    )
     wall_clock_breakdown: bool = Field(
         False, description="Time forward, backward and step separately."
     )

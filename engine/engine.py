@@ -15,20 +15,29 @@ import contextlib
 import enum
 import logging
 import os
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from . import gathered
 from .accelerator import Accelerator
-from .comm import Communicator
+from .comm import Communicator, Intent
 from .flat import FlatLayout
-from .init import full_numel, guard_load_state_dict, is_partitioned, take_full
+from .init import full_numel, full_shape, guard_load_state_dict, is_partitioned, take_full
 from .lr_schedules import build_scheduler
 from .monitor import StepMonitor
 from .optim import build_optimizer, resolve_optimizer
 from .precision import LossScaler
-from .stage3 import FrozenShards, ParamGatherer, UsageGuard, choose_units
+from .stage3 import (
+    FrozenShards,
+    ParamGatherer,
+    UnitState,
+    UsageGuard,
+    choose_units,
+    is_leaf,
+    unmanaged_parameter,
+)
 from .stages import ReduceSettings, ZeroOptimizer
 
 logger = logging.getLogger("zero")
@@ -90,6 +99,10 @@ class Engine(torch.nn.Module):
         client_optimizer = optimizer is not None
         optimizer = optimizer or self._config_optimizer(model_parameters)
         named_groups = self._named_groups(optimizer, client_optimizer)
+        # Before the first collective: every rank built the same model with the same config.
+        agreement = comm.start_agreement(config.agreement_timeout)
+        if agreement is not None:
+            agreement.check(Intent.LAYOUT, (_fingerprint(model, config),), "zero.initialize")
         self.module.to(device=accelerator.device)  # keeps Parameter objects: groups stay valid
         if config.zero.stage < 3:
             self._materialize_frozen(named_groups)
@@ -120,6 +133,7 @@ class Engine(torch.nn.Module):
                     self._offload_param is not None and self._offload_param.pin_memory,
                 )
             self.gatherer = ParamGatherer(
+                self.module,
                 units,
                 comm,
                 config.compute_dtype,
@@ -130,7 +144,12 @@ class Engine(torch.nn.Module):
             self.gatherer.attach(
                 self.optimizer.buckets + (self.frozen.buckets if self.frozen else [])
             )
-            self.optimizer.gatherer = self.gatherer
+            self.optimizer.attach_gatherer(self.gatherer, comm.sibling("reduce-scatter"))
+            if agreement is not None:
+                self.gatherer.agreement = agreement
+                agreement.describe = self.gatherer.describe
+                agreement.hint = self.gatherer.hint
+            self._state_dict_holds: list[list] = []
             # torch tags these hooks with attributes, which bound methods cannot take
             self.module.register_state_dict_pre_hook(
                 lambda *args: self._gather_for_state_dict(*args)
@@ -373,6 +392,7 @@ class Engine(torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
+            self._check_no_unmanaged_gradients()
             with self.monitor.timer("step"):
                 self._step_applied = self.optimizer.step()
             if self._step_applied:
@@ -387,6 +407,14 @@ class Engine(torch.nn.Module):
             self.monitor.on_step(self)
         self.micro_steps += 1
         self.phase = Phase.IDLE
+
+    def _check_no_unmanaged_gradients(self) -> None:
+        """A parameter with a .grad at the step is one zero does not manage (its hook would have
+        taken the gradient): added to the module after initialize. Stage 3 refuses it earlier,
+        at its first use in engine(...)."""
+        for param in self.module.parameters():
+            if param.grad is not None and param.numel() > 0:
+                raise unmanaged_parameter(self.comm.rank, param, self.module)
 
     def _sync_buffers(self) -> None:
         """Give every rank rank 0's floating-point buffers (BatchNorm running statistics, which
@@ -408,23 +436,33 @@ class Engine(torch.nn.Module):
 
     # ----- full weights (stage 3 gathers them) ------------------------------------------
     def _gather_for_state_dict(self, module, prefix, keep_vars) -> None:
-        """Stage 3: module.state_dict() gathers every unit first, so it holds full tensors
-        (collective: every rank must call it, as for DeepSpeed's save_16bit_model)."""
-        if prefix:
-            return
-        if not self.config.zero.stage3_gather_16bit_weights_on_model_save:
-            raise RuntimeError(
-                f"rank {self.comm.rank}: under ZeRO stage 3 the module's parameters are "
-                "partitioned; set zero_optimization.stage3_gather_16bit_weights_on_model_save to "
-                "true to gather them for state_dict(), or use zero-to-fp32 on a checkpoint"
-            )
-        for unit in self.gatherer.units:
-            self.gatherer.fetch(unit)
+        """Stage 3: module.state_dict() holds every unit gathered while it runs, so it returns
+        full tensors. Collective (every rank must call it, as for DeepSpeed's
+        save_16bit_model) unless every unit is gathered already (inside a
+        zero.GatheredParameters over all parameters, where one rank may call it alone)."""
+        units = self.gatherer.units
+        if any(u.state is not UnitState.GATHERED for u in units):
+            if not self.config.zero.stage3_gather_16bit_weights_on_model_save:
+                raise RuntimeError(
+                    f"rank {self.comm.rank}: under ZeRO stage 3 the module's parameters are "
+                    "partitioned; set zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                    "to true to gather them for state_dict(), call it inside "
+                    "zero.GatheredParameters(model.parameters()), or use zero-to-fp32 on a "
+                    "checkpoint"
+                )
+            self._enter("module.state_dict() under stage 3")
+        self.gatherer.hold(units)
+        self._state_dict_holds.append(units)
 
     def _release_after_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
-        # The returned tensors keep the gathered storage alive; the module goes back to shards.
-        if not prefix:
-            self.gatherer.release_all()
+        # The returned tensors keep the gathered storage alive; the module goes back to shards
+        # (units held by an enclosing zero.GatheredParameters stay gathered).
+        self.gatherer.unhold(self._state_dict_holds.pop())
+
+    def _enter(self, method: str) -> None:
+        """Check that every rank calls collective method `method` (comm.Agreement.enter)."""
+        if self.comm.agreement is not None:
+            self.comm.agreement.enter(method)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> str | None:
         """Write the full model in the compute dtype (fp32/bf16/fp16) as one safetensors file
@@ -436,6 +474,7 @@ class Engine(torch.nn.Module):
         """
         from safetensors.torch import save_file
 
+        self._enter("save_16bit_model")
         state = self.module.state_dict()
         if self.comm.rank != 0:
             return None
@@ -458,6 +497,7 @@ class Engine(torch.nn.Module):
         """
         from . import checkpoint
 
+        self._enter("save_checkpoint")
         return checkpoint.save(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
 
     def load_checkpoint(
@@ -478,6 +518,7 @@ class Engine(torch.nn.Module):
         """
         from . import checkpoint
 
+        self._enter("load_checkpoint")
         return checkpoint.load(
             self,
             os.fspath(load_dir),
@@ -566,6 +607,30 @@ class Engine(torch.nn.Module):
         from .memory import memory_report
 
         return memory_report(self)
+
+
+def _fingerprint(model, config) -> int:
+    """32-bit hash of what every rank must have alike before the first collective: the
+    parameters' and buffers' names, full shapes, dtypes and requires_grad, the leaf modules
+    (zero.utils.set_z3_leaf_modules) and the config keys that shape the layout."""
+    params = [
+        (n, tuple(full_shape(p)), str(p.dtype), p.requires_grad)
+        for n, p in model.named_parameters()
+    ]
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    leaves = [n for n, m in model.named_modules() if is_leaf(m)]
+    zero_cfg = config.zero
+    keys = (
+        zero_cfg.stage,
+        zero_cfg.reduce_bucket_size,
+        zero_cfg.stage3_module_granularity_threshold,
+        zero_cfg.stage3_module_classes,
+        zero_cfg.stage3_param_persistence_threshold,
+        zero_cfg.stage3_model_persistence_threshold,
+        str(config.compute_dtype),
+        config.gradient_accumulation_steps,
+    )
+    return zlib.crc32(repr((params, buffers, leaves, keys)).encode())
 
 
 def _cpu_adam(params, cls, kwargs):

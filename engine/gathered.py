@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from .init import gather_in_place, is_partitioned, release_in_place
+from .stage3 import UnitState
 
 # id(param) -> the ZeroOptimizer that lays it out (weak, so engines can be garbage collected).
 _OWNER: dict[int, weakref.ref] = {}
@@ -73,11 +74,10 @@ class GatheredParameters:
         gatherer = optimizer.gatherer
         if gatherer is not None:
             units = {id(u): u for p in self.params if (u := gatherer.unit_of(p)) is not None}
-            self._units = sorted(units.values(), key=lambda u: u.index)
-            for unit in self._units:
-                gatherer.fetch(unit)
-                unit.pinned = True
-                unit.holds += 1
+            self._units = list(units.values())
+            if any(u.state is not UnitState.GATHERED for u in self._units):
+                _enter(optimizer, "zero.GatheredParameters (enter)")
+            gatherer.hold(self._units)
         return self
 
     def __exit__(self, *exc):
@@ -88,13 +88,14 @@ class GatheredParameters:
         optimizer = self._owner()
         if optimizer is None:
             return False
-        if self.modifier_rank is not None:
-            with torch.no_grad():
-                _publish_modification(optimizer, self.params, self.modifier_rank)
-        for unit in self._units:
-            unit.holds -= 1
-            if unit.holds == 0:
-                optimizer.gatherer.release(unit, force=True)
+        try:
+            if self.modifier_rank is not None:
+                _enter(optimizer, "zero.GatheredParameters (exit, modifier_rank broadcast)")
+                with torch.no_grad():
+                    _publish_modification(optimizer, self.params, self.modifier_rank)
+        finally:
+            if self._units:
+                optimizer.gatherer.unhold(self._units)
         return False
 
     def _check_modifier(self, world: int) -> None:
@@ -109,6 +110,12 @@ class GatheredParameters:
             self._check_modifier(self._init_params[0].zero_shard.comm.world_size)
         for param in self._init_params:
             gather_in_place(param)
+
+
+def _enter(optimizer, method: str) -> None:
+    """Check that every rank enters `method` (comm.Agreement.enter); nothing at world size 1."""
+    if optimizer.comm.agreement is not None:
+        optimizer.comm.agreement.enter(method)
 
 
 def _publish_modification(optimizer, params, src: int) -> None:

@@ -37,12 +37,22 @@ never freed in place, so a view that anyone else keeps stays valid (it just keep
 import contextlib
 import enum
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .comm import Intent
 from .init import full_numel, tensors_in
+
+# Modules made one fetch unit whatever their size (zero.utils.set_z3_leaf_modules).
+_LEAF_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def is_leaf(module: torch.nn.Module) -> bool:
+    """True for a module marked by zero.utils.set_z3_leaf_modules."""
+    return module in _LEAF_MODULES
 
 
 class UnitState(enum.Enum):
@@ -62,7 +72,9 @@ class Unit:
     state: UnitState = UnitState.SHARDED
     pinned: bool = False  # gathered until the end of backward (used outside its forward)
     persistent: bool = False  # small parameters: gathered after every step, never released
-    holds: int = 0  # open zero.GatheredParameters contexts that gathered this unit
+    holds: int = 0  # open zero.GatheredParameters / state_dict() holds: never released then
+    calls: int = 0  # forward calls of this micro-batch whose backward has not finished
+    untracked: bool = False  # some call's backward cannot be observed (see _pre_forward)
 
 
 def choose_units(
@@ -103,7 +115,7 @@ def choose_units(
     def visit(name, module):
         children = list(module.named_children())
         whole = not children or numel(module) <= threshold
-        if whole or type(module).__name__ in class_names:
+        if whole or type(module).__name__ in class_names or is_leaf(module):
             add(name, module, module.parameters())
             return
         add(name, module, module.parameters(recurse=False))
@@ -127,7 +139,10 @@ class ParamGatherer:
     prefetch all-gathers are issued in the same order everywhere. Collective throughout.
     """
 
-    def __init__(self, units, comm, compute_dtype, device, prefetch_numel=0, max_live_numel=None):
+    def __init__(
+        self, root, units, comm, compute_dtype, device, prefetch_numel=0, max_live_numel=None
+    ):
+        self.root = root  # the model the units were chosen from
         self.units = units
         self.comm = comm
         self.compute_dtype = compute_dtype
@@ -143,6 +158,8 @@ class ParamGatherer:
         self._order: list[int] = []  # unit indices in forward order, from the last step
         self._trace: list[int] = []  # this step's forward order
         self._cursor = {"forward": 0, "backward": 0}
+        self.agreement = None  # comm.Agreement: gathers are checked across ranks first
+        self.on_unit_done = None  # callback(unit): its backward is complete on this rank
 
     @contextlib.contextmanager
     def _own_ops(self):
@@ -174,19 +191,41 @@ class ParamGatherer:
         def hook(module, args):
             if _in_backward():  # a recomputation: not part of the forward order
                 self.fetch(unit)
-            else:
-                self._trace.append(unit.index)
-                self.fetch(unit, "forward")
-            # A unit of frozen parameters gets no gradients that would release it in backward:
-            # release it once the gradients of its inputs are computed (its backward is done).
-            frozen = all(b.master is None for b in unit.buckets)
-            inputs = [t for t in tensors_in(args) if t.requires_grad]
-            if frozen and inputs and torch.is_grad_enabled() and not _in_backward():
-                torch.autograd.graph.register_multi_grad_hook(
-                    inputs, lambda grads: self.release(unit), mode="all"
-                )
+                return
+            self._trace.append(unit.index)
+            self.fetch(unit, "forward")
+            if torch.is_grad_enabled():
+                self._watch_backward(unit, [t for t in tensors_in(args) if t.requires_grad])
 
         return hook
+
+    def _watch_backward(self, unit: Unit, inputs: list) -> None:
+        """[Note: end of a unit's backward]
+        Once the gradients of a call's inputs are computed, that call's backward is done:
+        autograd runs AccumulateGrad nodes before any other ready node, so every gradient the
+        call gives the unit's parameters has arrived. When the last call of the micro-batch is
+        done the unit is complete: parameters without a gradient (an expert that got no
+        tokens on this rank) count as zero, its buckets are reduce-scattered and it is released
+        at the same point of backward on every rank, whatever the data routed where. A call
+        without inputs that require grad, or with a leaf among them (whose AccumulateGrad has
+        the same priority), cannot be observed: the unit then completes as its gradients arrive
+        or at the end of backward."""
+        unit.calls += 1
+        frozen = all(b.master is None for b in unit.buckets)
+        if not inputs or not (frozen or all(t.grad_fn is not None for t in inputs)):
+            unit.untracked = True
+            return
+        torch.autograd.graph.register_multi_grad_hook(
+            inputs, lambda grads: self._call_done(unit), mode="all"
+        )
+
+    def _call_done(self, unit: Unit) -> None:
+        unit.calls -= 1
+        if unit.calls or unit.untracked or unit.pinned or unit.persistent or unit.holds:
+            return
+        if self.on_unit_done is not None:
+            self.on_unit_done(unit)
+        self.release(unit)
 
     def _post_forward(self, unit: Unit):
         def hook(module, args, output):
@@ -201,12 +240,19 @@ class ParamGatherer:
         return hook
 
     def fetch(self, unit: Unit, direction: str | None = None) -> None:
-        """Make `unit` GATHERED (waiting for a prefetch in flight), then prefetch what followed it
-        last time in `direction` ("forward" or "backward"; None: no prefetch)."""
-        if unit.state is UnitState.SHARDED:
-            self._start_gather(unit)
-        elif unit.state is UnitState.GATHERING:
+        """Make `unit` GATHERED (waiting for a prefetch in flight), and prefetch what followed it
+        last time in `direction` ("forward" or "backward"; None: no prefetch). The all-gathers
+        this starts are checked across ranks first (one Agreement.check for all of them)."""
+        launch = [unit] if unit.state is UnitState.SHARDED else []
+        if unit.state is UnitState.GATHERING:
             self.prefetch_hits += 1
+        if direction is not None and self.prefetch_numel > 0:
+            launch += self._prefetch_plan(unit, direction, launch)
+        if launch:
+            if self.agreement is not None:
+                self.agreement.check(Intent.GATHER, [u.index for u in launch])
+            for upcoming in launch:
+                self._start_gather(upcoming)
         if unit.state is UnitState.GATHERING:
             with self._own_ops():
                 for bucket in unit.buckets:
@@ -216,8 +262,6 @@ class ParamGatherer:
                         what = f"the all-gather of unit '{unit.name}'"
                         raise collective_failure(self.comm.rank, what, error) from error
             unit.state = UnitState.GATHERED
-        if direction is not None and self.prefetch_numel > 0:
-            self._prefetch_after(unit, direction)
 
     def _start_gather(self, unit: Unit) -> None:
         with self._own_ops():
@@ -306,34 +350,48 @@ class ParamGatherer:
             self.fetch(unit)
         return bucket.param_buffer.as_strided(saved.shape, saved.stride, saved.offset)
 
-    def _prefetch_after(self, unit: Unit, direction: str) -> None:
+    def _prefetch_plan(self, unit: Unit, direction: str, launching: list) -> list:
+        """The units to all-gather ahead of use after fetching `unit` (see [Note: prefetch]).
+        The plan depends only on the recorded order and on which units are gathered, both the
+        same on every rank."""
         order = self._order if direction == "forward" else self._order[::-1]
         cursor = self._cursor[direction]
         try:
             position = order.index(unit.index, cursor)
         except ValueError:
             self._cursor[direction] = len(order)  # the order changed: no more guesses this step
-            return
+            return []
         self._cursor[direction] = position + 1
+        planned = {u.index for u in launching}
+
+        def state(u):
+            return UnitState.GATHERING if u.index in planned else u.state
+
         # Units already in flight count against the look-ahead, so at most prefetch_numel
         # elements are prefetched and not yet used, however many fetches come in between.
         budget = self.prefetch_numel
+        live = sum(_unit_numel(u) for u in self.units if state(u) is not UnitState.SHARDED)
+        plan = []
         for index in order[position + 1 :]:
             upcoming = self.units[index]
             size = _unit_numel(upcoming)
-            if upcoming.state is UnitState.GATHERING:
+            if state(upcoming) is UnitState.GATHERING:
                 budget -= size
-            if upcoming.state is not UnitState.SHARDED:
+            if state(upcoming) is not UnitState.SHARDED:
                 continue
-            live = sum(_unit_numel(u) for u in self.units if u.state is not UnitState.SHARDED)
             too_many = self.max_live_numel is not None and live + size > self.max_live_numel
             if size > budget or too_many:
-                return
-            self._start_gather(upcoming)
+                break
+            plan.append(upcoming)
+            planned.add(index)
             budget -= size
+            live += size
+        return plan
 
     def release(self, unit: Unit, force: bool = False) -> None:
-        if unit.persistent or (unit.pinned and not force):
+        """Free the unit's gathered parameters, unless it is persistent, held (hold()) or, without
+        `force`, pinned until the end of backward."""
+        if unit.persistent or unit.holds or (unit.pinned and not force):
             return
         if unit.state is UnitState.GATHERING:
             self.fetch(unit)  # a prefetch in flight must land before its buffer is freed
@@ -348,7 +406,7 @@ class ParamGatherer:
         every trainable bucket of the unit is released, so are its frozen buckets (a unit of
         frozen parameters only is released when its inputs' gradients are computed)."""
         unit = self.units[bucket.layout.unit]
-        if unit.pinned or unit.persistent:
+        if unit.pinned or unit.persistent or unit.holds:
             return
         with self._own_ops():
             self._release_bucket(bucket)
@@ -357,11 +415,26 @@ class ParamGatherer:
                     self._release_bucket(other)
                 unit.state = UnitState.SHARDED
 
+    def hold(self, units) -> None:
+        """Gather `units` (in index order) and keep them gathered until unhold(): for
+        zero.GatheredParameters and module.state_dict(). Holds nest. Collective."""
+        for unit in sorted(units, key=lambda u: u.index):
+            self.fetch(unit)
+            unit.holds += 1
+
+    def unhold(self, units) -> None:
+        """End one hold() of each of `units`; a unit no longer held is released."""
+        for unit in units:
+            unit.holds -= 1
+            assert unit.holds >= 0, unit.name
+            self.release(unit, force=True)
+
     def release_all(self) -> None:
         """End of backward, or of a forward without backward: release every unit but the
         persistent one, and keep this step's forward order for the next step's prefetch."""
         for unit in self.units:
             self.release(unit, force=True)
+            unit.calls, unit.untracked = 0, False
         if self._trace:
             self._order, self._trace = self._trace, []
         self._cursor = {"forward": 0, "backward": 0}
@@ -385,6 +458,44 @@ class ParamGatherer:
 
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))
+
+    def manages(self, param) -> bool:
+        """True for a parameter zero laid out (trainable or frozen) in this engine."""
+        return id(param) in self._unit_of_param
+
+    def describe(self, kind: int, ident: int) -> str:
+        """Words for an intent another rank sent (comm.Agreement)."""
+        if kind == Intent.GATHER and 0 <= ident < len(self.units):
+            unit = self.units[ident]
+            numel = _unit_numel(unit)
+            return (
+                f"all-gathers stage-3 unit '{unit.name}' ({type(unit.module).__name__}, "
+                f"{numel:,} elements)"
+            )
+        from .comm import _describe_default
+
+        return _describe_default(kind, ident)
+
+    def hint(self, a: tuple, b: tuple) -> str:
+        """The fix for two ranks' differing intents `a`, `b` ((kind, ident) each) when a
+        module chooses its children by data (a mixture of experts); "" otherwise."""
+        gathered = [
+            self.units[ident]
+            for kind, ident in (a, b)
+            if kind == Intent.GATHER and ident is not None and 0 <= ident < len(self.units)
+        ]
+        chooser = _chooser(self.root, gathered)
+        if chooser is None:
+            return ""
+        name, module = chooser
+        cls = type(module).__name__
+        return (
+            f"'{name}' ({cls}) runs different children on different ranks, as a mixture of "
+            f"experts routes tokens by data: make it one fetch unit with "
+            f'"stage3_module_classes": ["{cls}"] in zero_optimization, or call '
+            f"zero.utils.set_z3_leaf_modules(model, [{cls}]) before zero.initialize. If the "
+            "branch is not meant to differ, make it the same on every rank (see docs/stages.md)."
+        )
 
 
 class FrozenShards:
@@ -478,13 +589,51 @@ def collective_failure(rank: int, what: str, error: Exception) -> RuntimeError:
     )
 
 
+def _chooser(root: torch.nn.Module, units: list) -> tuple | None:
+    """(name, module) of the module that, by the look of it, picks some of `units` by data:
+    the closest common ancestor of two units that is neither the root nor a ModuleList /
+    ModuleDict, else the closest such ancestor of one unit that holds several units of that
+    unit's class (experts). None when there is none."""
+    modules = dict(root.named_modules())
+    paths = [u.name.split(".") for u in units if u.module is not root]
+
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+    def owner(parts):
+        while parts and isinstance(modules[".".join(parts)], containers):
+            parts = parts[:-1]
+        return ".".join(parts) if parts else None
+
+    if len(paths) == 2:
+        common = []
+        for x, y in zip(*paths):
+            if x != y:
+                break
+            common.append(x)
+        name = owner(common)
+        if name is not None and common != paths[0] and common != paths[1]:
+            return name, modules[name]
+    for parts in paths:
+        name = owner(parts[:-1])
+        if name is None:
+            continue
+        cls = type(modules[".".join(parts)])
+        prefix = name + "."
+        alike = [m for n, m in modules.items() if n.startswith(prefix) and type(m) is cls]
+        if len(alike) > 1:
+            return name, modules[name]
+    return None
+
+
 def _unit_numel(unit: Unit) -> int:
     return sum(b.layout.padded_numel for b in unit.buckets)
 
 
 class UsageGuard(TorchFunctionMode):
     """Gathers and pins the unit of a released parameter that an op uses outside the unit's own
-    forward (tied weights, a parent's direct use of a child's weight)."""
+    forward (tied weights, a parent's direct use of a child's weight), and refuses a parameter
+    zero does not manage (a module attached after zero.initialize, or one outside the engine's
+    module): its gradient would never be reduced nor its value updated."""
 
     def __init__(self, gatherer: ParamGatherer):
         super().__init__()
@@ -495,12 +644,31 @@ class UsageGuard(TorchFunctionMode):
         if self.gatherer.busy:
             return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.nn.Parameter) and value.numel() == 0:
-                unit = self.gatherer.unit_of(value)
-                if unit is not None:
-                    self.gatherer.fetch(unit)
-                    unit.pinned = True
+            if not isinstance(value, torch.nn.Parameter):
+                continue
+            unit = self.gatherer.unit_of(value)
+            if unit is None and value.numel() > 0:
+                raise unmanaged_parameter(self.gatherer.comm.rank, value, self.gatherer.root)
+            if unit is not None and value.numel() == 0:
+                self.gatherer.fetch(unit)
+                unit.pinned = True
         return func(*args, **kwargs)
+
+
+def unmanaged_parameter(rank: int, param, root: torch.nn.Module) -> RuntimeError:
+    """The error for a parameter used in engine(...) that zero does not lay out."""
+    name = next((n for n, p in root.named_parameters() if p is param), None)
+    where = (
+        f"parameter '{name}' was added to the model after zero.initialize"
+        if name is not None
+        else f"a parameter of shape {tuple(param.shape)} that is not part of the engine's module"
+    )
+    return RuntimeError(
+        f"rank {rank}: {where} and is used in engine(...): zero does not manage it, so its "
+        "gradient would not be averaged across ranks nor its value updated (nor, under stage 3, "
+        "partitioned). Attach every module before zero.initialize (build the engine over the "
+        "whole model), or register a constant as a buffer"
+    )
 
 
 def _finish_gather_bucket(bucket) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import Communicator, Handle
+from .comm import Communicator, Handle, Intent
 from .flat import BucketLayout, FlatLayout
 from .init import is_partitioned, take_full
 from .optim import UNSUPPORTED_OPTIMIZERS
@@ -126,6 +126,7 @@ class Bucket:
         self.state = BucketState.FILLING
         self.arrived = [False] * len(params)
         self.num_arrived = 0
+        self.complete = False  # stage 3: its unit's backward is done (missing gradients: zero)
         self.stage = stage
 
     def fill_target(self, dtype: torch.dtype) -> torch.Tensor:
@@ -152,11 +153,12 @@ class Bucket:
     def reset_arrivals(self) -> None:
         self.arrived = [False] * len(self.params)
         self.num_arrived = 0
+        self.complete = False
         self.state = BucketState.FILLING
 
     @property
     def ready(self) -> bool:
-        return self.num_arrived == len(self.params)
+        return self.complete or self.num_arrived == len(self.params)
 
 
 class ZeroOptimizer:
@@ -185,6 +187,7 @@ class ZeroOptimizer:
         self.compute_dtype = compute_dtype
         self.global_grad_norm = None
         self.gatherer = None  # stage 3: the ParamGatherer, set by attach_gatherer()
+        self.reduce_comm: Communicator = comm  # where gradients are reduced (attach_gatherer)
         self._accepting_grads = False
         self._reduce_this_micro_batch = False
         self._first_reduce = True
@@ -300,6 +303,28 @@ class ZeroOptimizer:
             template = type(self.optimizer)(groups, **self.optimizer.defaults)
             self.optimizer.state = template.state
 
+    def attach_gatherer(self, gatherer, reduce_comm: Communicator) -> None:
+        """Stage 3: parameters are gathered by `gatherer`; gradients are reduce-scattered over
+        `reduce_comm`, a process group of their own (same ranks). [Note: two groups at stage 3]
+        Which buckets are complete when depends on the data (an expert that got no tokens on
+        one rank completes later there), so on one group a rank's reduce-scatter could meet
+        another rank's all-gather. Reduce-scatters keep bucket order on their own group, and a
+        rank never blocks on one during backward (only finished ones are reaped), so no rank
+        waits for a peer that first needs this rank's next all-gather (on CUDA a wait only
+        orders streams and never blocks the host, so the in-flight bound holds there)."""
+        self.gatherer = gatherer
+        self.reduce_comm = reduce_comm
+        gatherer.on_unit_done = self._complete_unit
+
+    def _complete_unit(self, unit) -> None:
+        """Every call of `unit` finished its backward on this rank ([Note: end of a unit's
+        backward]): its parameters without a gradient count as zero; launch what is ready."""
+        for bucket in unit.buckets:
+            if bucket.master is not None and bucket.state is BucketState.FILLING:
+                bucket.complete = True
+        if self._reduce_this_micro_batch:
+            self._launch_ready()
+
     # ----- backward -----------------------------------------------------------------------
     def start_backward(self, reduce: bool) -> None:
         """Begin a micro-batch's backward; `reduce` is true when its gradients are reduced now
@@ -364,9 +389,12 @@ class ZeroOptimizer:
                     bucket.layout.shard_numel, dtype=source.dtype, device=source.device
                 )
                 bucket.recv = output
-            bucket.handle = self.comm.reduce_scatter(output, source, async_op=True)
+            bucket.handle = self.reduce_comm.reduce_scatter(output, source, async_op=True)
         self._in_flight.append(bucket)
         while self.settings.stage >= 2 and len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            oldest = self._in_flight[0]
+            if self.settings.stage == 3 and oldest.handle.blocks_host and not oldest.handle.done():
+                break  # [Note: two groups at stage 3]: never block on a peer here
             self._finish(self._in_flight.popleft())
 
     def _finish(self, bucket: Bucket) -> None:
@@ -397,6 +425,10 @@ class ZeroOptimizer:
         if not self._reduce_this_micro_batch:
             return
         self._launch_ready(force=True)
+        if self.comm.agreement is not None:
+            # The waits below need every rank here: a rank still gathering, or in a collective
+            # method, makes every rank stop with an error instead.
+            self.comm.agreement.check(Intent.END_BACKWARD)
         while self._in_flight:
             self._finish(self._in_flight.popleft())
         self._first_reduce = False
