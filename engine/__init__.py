@@ -11,6 +11,7 @@ _EXPORTS = {
     "CheckpointError": "checkpoint",
     "GatheredParameters": "gathered",
     "Init": "init",
+    "RankMismatchError": "comm",
     "initialize": "api",
     "Engine": "engine",
     "Config": "config",

@@ -373,8 +373,10 @@ class Engine(torch.nn.Module):
         with self.monitor.timer("backward"):
             try:
                 (loss * scale).backward(retain_graph=retain_graph)
-            finally:
-                self.optimizer.finish_backward()
+            except BaseException:
+                self.optimizer.abandon_backward()  # no collectives: ranks may be elsewhere
+                raise
+            self.optimizer.finish_backward()
         return loss
 
     def step(self) -> None:

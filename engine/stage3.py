@@ -590,38 +590,29 @@ def collective_failure(rank: int, what: str, error: Exception) -> RuntimeError:
 
 
 def _chooser(root: torch.nn.Module, units: list) -> tuple | None:
-    """(name, module) of the module that, by the look of it, picks some of `units` by data:
-    the closest common ancestor of two units that is neither the root nor a ModuleList /
-    ModuleDict, else the closest such ancestor of one unit that holds several units of that
-    unit's class (experts). None when there is none."""
+    """(name, module) of the module that, by the look of it, picks some of `units` by data: the
+    closest common ancestor of two units that is neither the root nor a ModuleList /
+    ModuleDict, else the closest ancestor of one unit that holds it in a ModuleList /
+    ModuleDict of several modules of one class (experts). None when there is none."""
     modules = dict(root.named_modules())
-    paths = [u.name.split(".") for u in units if u.module is not root]
-
     containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
-
-    def owner(parts):
-        while parts and isinstance(modules[".".join(parts)], containers):
-            parts = parts[:-1]
-        return ".".join(parts) if parts else None
-
+    paths = [u.name.split(".") for u in units if u.module is not root]
     if len(paths) == 2:
         common = []
         for x, y in zip(*paths):
             if x != y:
                 break
             common.append(x)
-        name = owner(common)
-        if name is not None and common != paths[0] and common != paths[1]:
-            return name, modules[name]
+        while common and isinstance(modules[".".join(common)], containers):
+            common = common[:-1]
+        if common and common != paths[0] and common != paths[1]:
+            return ".".join(common), modules[".".join(common)]
     for parts in paths:
-        name = owner(parts[:-1])
-        if name is None:
-            continue
-        cls = type(modules[".".join(parts)])
-        prefix = name + "."
-        alike = [m for n, m in modules.items() if n.startswith(prefix) and type(m) is cls]
-        if len(alike) > 1:
-            return name, modules[name]
+        for depth in range(len(parts) - 1, 0, -1):
+            owner, child = modules[".".join(parts[:depth])], modules[".".join(parts[: depth + 1])]
+            kinds = {type(m) for m in child.children()} if isinstance(child, containers) else ()
+            if len(kinds) == 1 and len(child) > 1 and not isinstance(owner, containers):
+                return ".".join(parts[:depth]), owner
     return None
 
 

@@ -416,6 +416,11 @@ class ZeroOptimizer:
         bucket.staging = None  # stage 2: the full-size gradient is freed once reduced
         bucket.state = BucketState.REDUCED
 
+    def abandon_backward(self) -> None:
+        """A backward raised: stop taking gradients, issue no collective (the error may come
+        from ranks that disagree)."""
+        self._accepting_grads = False
+
     def finish_backward(self) -> None:
         """End a micro-batch's backward: launch what is left, in order, and wait for all of it.
 

@@ -1,0 +1,423 @@
+"""Stage 3 is never silently wrong when ranks run different code.
+
+- A sparse mixture of experts (top-1 and top-2 routing, experts that get no tokens on a rank, a
+  rank whose batch reaches no expert) trains equal to a single-process reference once the block
+  is one fetch unit (stage3_module_classes, or zero.utils.set_z3_leaf_modules); without that,
+  every rank stops at the first all-gather that differs, naming the block's class.
+- Ranks running different heads (same or different sizes), or one rank skipping a module, stop
+  with one message on every rank naming both ranks' units.
+- A module attached after zero.initialize is refused (stage 3 at its first use, stages 0-2 at
+  the step), naming the parameter.
+- Collective methods called on some ranks only end in an error on every rank within
+  agreement_timeout, naming the method and the missing rank.
+- zero.GatheredParameters around state_dict() returns full tensors and keeps the parameters
+  gathered until the block ends (with modifier_rank too, and nested with state_dict's own
+  gathering).
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+
+VOCAB, DIM, HIDDEN, EXPERTS = 13, 8, 12, 4
+TOKENS = 6  # per rank per micro-batch
+
+
+class Expert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(DIM, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class SparseMoE(torch.nn.Module):
+    """Top-k routing; tokens with mask False (padding) reach no expert."""
+
+    def __init__(self, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = torch.nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = torch.nn.ModuleList(Expert() for _ in range(EXPERTS))
+
+    def forward(self, x, mask):
+        weights, chosen = self.gate(x).softmax(-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            rows, slot = ((chosen == index) & mask[:, None]).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return x + out
+
+
+class MoENet(torch.nn.Module):
+    def __init__(self, top_k):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.moe1 = SparseMoE(top_k)
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.moe2 = SparseMoE(top_k)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, x, y, mask):
+        h = self.moe2(self.norm(self.moe1(self.embed(x), mask)), mask)
+        return F.cross_entropy(self.head(h), y)
+
+
+def moe_batches(world_size, steps, gas, seed=0):
+    """batches[step][micro][rank] = (x, y, mask); the last rank's first micro-batch is all
+    padding (it reaches no expert), and with few tokens some experts get none on a rank."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        micro = []
+        for m in range(gas):
+            per_rank = []
+            for r in range(world_size):
+                x = torch.randint(0, VOCAB, (TOKENS,), generator=g)
+                y = torch.randint(0, VOCAB, (TOKENS,), generator=g)
+                mask = torch.rand(TOKENS, generator=g) > 0.2
+                if r == world_size - 1 and m == 0:
+                    mask[:] = False
+                per_rank.append((x, y, mask))
+            micro.append(per_rank)
+        out.append(micro)
+    return out
+
+
+def moe_config(gas, leaf_classes=None):
+    zero_cfg = {
+        "stage": 3,
+        "reduce_bucket_size": 300,
+        "stage3_module_granularity_threshold": 200,  # every expert a unit of its own
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 500,
+    }
+    if leaf_classes:
+        zero_cfg["stage3_module_classes"] = leaf_classes
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1000,
+        "agreement_timeout": 60,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": zero_cfg,
+    }
+
+
+def moe_reference(top_k, data, world_size, gas):
+    torch.manual_seed(0)
+    model = MoENet(top_k)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in data:
+        for micro in step:
+            for x, y, mask in micro:
+                (model(x, y, mask) / (world_size * gas)).backward()
+        for p in model.parameters():
+            if p.grad is None:  # no token reached it on any rank: a zero gradient
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def moe_engine(top_k, cfg, data, mark_leaves=False):
+    import zero
+
+    torch.manual_seed(0)
+    model = MoENet(top_k)
+    if mark_leaves:
+        marked = zero.utils.set_z3_leaf_modules(model, [SparseMoE])
+        assert marked == [model.moe1, model.moe2]
+    engine, _, _, _ = zero.initialize(model=model, config=cfg)
+    for step in data:
+        for micro in step:
+            x, y, mask = micro[engine.rank]
+            engine.backward(engine(x, y, mask))
+            engine.step()
+    return engine
+
+
+def full_params(engine) -> dict:
+    import zero
+
+    params = list(engine.module.parameters())
+    with zero.GatheredParameters(params):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def moe_sweep(world_size):
+    import zero
+
+    results = []
+    for top_k, gas, how in ((1, 1, "config"), (2, 2, "config"), (2, 1, "utils")):
+        data = moe_batches(world_size, steps=3, gas=gas)
+        cfg = moe_config(gas, ["SparseMoE"] if how == "config" else None)
+        engine = moe_engine(top_k, cfg, data, mark_leaves=how == "utils")
+        units = [u.name for u in engine.gatherer.units]
+        got = full_params(engine)
+        ref = dict(moe_reference(top_k, data, world_size, gas).named_parameters())
+        diff = max((got[n] - ref[n].detach()).abs().max().item() for n in got)
+        results.append({"case": (top_k, gas, how), "diff": diff, "units": units})
+    # Unmarked: the experts are units of their own and ranks route differently.
+    data = moe_batches(world_size, steps=1, gas=1)
+    try:
+        moe_engine(2, moe_config(1), data)
+        results.append({"case": "unmarked", "error": None})
+    except zero.RankMismatchError as error:
+        results.append({"case": "unmarked", "error": str(error)})
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mixture_of_experts_matches_reference(world_size):
+    per_rank = run_ranks(moe_sweep, world_size, world_size)
+    for results in per_rank:
+        *trained, unmarked = results
+        for res in trained:
+            assert res["diff"] <= 1e-6, res
+            assert "moe1" in res["units"] and "moe1.experts.0" not in res["units"], res
+        message = unmarked["error"]
+        assert message is not None, "ranks routing differently must not train silently"
+        assert "ranks disagree on the next collective" in message
+        assert "stage-3 unit 'moe1.experts." in message, message
+        assert '"stage3_module_classes": ["SparseMoE"]' in message, message
+        assert "set_z3_leaf_modules(model, [SparseMoE])" in message, message
+
+
+# ----- ranks running different modules ---------------------------------------------------
+class Heads(torch.nn.Module):
+    def __init__(self, size_b):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head_a = torch.nn.Linear(8, 8)
+        self.head_b = torch.nn.Linear(8, size_b)
+
+    def forward(self, x, which):
+        h = self.body(x)
+        extra = getattr(self, "extra", None)
+        if extra is not None:
+            h = h + extra(h)
+        if which == "a":
+            h = self.head_a(h)
+        elif which == "b":
+            h = self.head_b(h)
+        return h.pow(2).mean()
+
+
+def _heads_config(stage=3, timeout=60):
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "agreement_timeout": timeout,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_module_granularity_threshold": 10,
+        },
+    }
+
+
+def divergent_modules():
+    """Returns, per case, this rank's error message (None when it trained)."""
+    import zero
+
+    out = {}
+    cases = {
+        "same size": (8, lambda r: "a" if r == 0 else "b"),
+        "other size": (3, lambda r: "a" if r == 0 else "b"),
+        "skip": (8, lambda r: "b" if r == 1 else None),
+    }
+    for name, (size_b, choose) in cases.items():
+        torch.manual_seed(0)
+        engine, _, _, _ = zero.initialize(model=Heads(size_b), config=_heads_config())
+        before = full_params(engine)
+        start = time.monotonic()
+        try:
+            for _ in range(2):
+                engine.backward(engine(torch.randn(2, 8), choose(engine.rank)))
+                engine.step()
+            out[name] = (None, 0.0, True)
+        except zero.RankMismatchError as error:
+            unchanged = all(torch.equal(before[n], v) for n, v in full_params(engine).items())
+            out[name] = (str(error), time.monotonic() - start, unchanged)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_running_different_modules_stop_with_one_message(world_size):
+    for rank, out in enumerate(run_ranks(divergent_modules, world_size)):
+        for case, (message, seconds, unchanged) in out.items():
+            assert message is not None, (rank, case)
+            assert seconds < 30, (rank, case, seconds)  # at once, not after a timeout
+            assert unchanged, (rank, case)  # no update was applied
+            assert "ranks disagree on the next collective" in message, message
+            assert "every rank must run the same modules" in message, message
+            if case == "skip":
+                assert "stage-3 unit 'head_b'" in message, message
+            else:
+                assert "unit 'head_a'" in message and "unit 'head_b'" in message, message
+
+
+def different_models():
+    import zero
+
+    torch.manual_seed(0)
+    model = Heads(8 if os.environ["RANK"] == "0" else 3)
+    try:
+        zero.initialize(model=model, config=_heads_config(stage=2))
+    except zero.RankMismatchError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_building_different_models_stop_at_initialize():
+    for message in run_ranks(different_models, 2):
+        assert message is not None and "Every rank must build the same model" in message
+
+
+# ----- parameters zero does not manage ------------------------------------------------------
+def attached_after_initialize():
+    import zero
+
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        engine, _, _, _ = zero.initialize(model=Heads(8), config=_heads_config(stage))
+        engine.module.extra = torch.nn.Linear(8, 8)
+        try:
+            engine.backward(engine(torch.randn(2, 8), "a"))
+            engine.step()
+            out[stage] = None
+        except RuntimeError as error:
+            out[stage] = str(error)
+    return out
+
+
+def test_module_attached_after_initialize_is_refused():
+    for out in run_ranks(attached_after_initialize, 2):
+        for stage, message in out.items():
+            assert message is not None, stage
+            assert "parameter 'extra.weight' was added to the model after zero.initialize" in (
+                message
+            ), message
+
+
+# ----- collective methods called on some ranks only -----------------------------------------
+def some_ranks_only(tmp, method):
+    """Rank 0 calls `method` alone; rank 1 either keeps training (its next check meets rank 0's)
+    or is busy elsewhere for longer than agreement_timeout."""
+    import zero
+
+    cfg = _heads_config(timeout=3)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, _, _, _ = zero.initialize(model=Heads(8), config=cfg)
+    calls = {
+        "save_checkpoint": lambda: engine.save_checkpoint(tmp),
+        "save_16bit_model": lambda: engine.save_16bit_model(tmp),
+        "state_dict": lambda: engine.module.state_dict(),
+        "GatheredParameters": lambda: zero.GatheredParameters(
+            engine.module.parameters()
+        ).__enter__(),
+    }
+    start = time.monotonic()
+    try:
+        if engine.rank == 0:
+            calls[method]()
+        elif method == "save_16bit_model":
+            time.sleep(6)  # busy elsewhere: rank 0 waits agreement_timeout
+            engine(torch.randn(2, 8), "a")
+        else:
+            engine.backward(engine(torch.randn(2, 8), "a"))
+            engine.step()
+    except zero.RankMismatchError as error:
+        return str(error), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def sweep_some_ranks_only(tmp):
+    return {
+        m: some_ranks_only(tmp, m) for m in ("save_checkpoint", "state_dict", "GatheredParameters")
+    }
+
+
+def test_collective_method_on_some_ranks_only_is_an_error_on_every_rank(tmp_path):
+    per_rank = run_ranks(sweep_some_ranks_only, 2, str(tmp_path), timeout=120)
+    for rank, out in enumerate(per_rank):
+        for method, (message, seconds) in out.items():
+            assert message is not None, (rank, method)
+            assert seconds < 30, (rank, method, seconds)
+            assert "rank 0 calls" in message or "rank 1 calls" in message, message
+            assert "must be called on every rank" in message, message
+
+
+def test_collective_method_timeout_names_the_missing_rank(tmp_path):
+    per_rank = run_ranks(some_ranks_only, 2, str(tmp_path), "save_16bit_model", timeout=120)
+    message, seconds = per_rank[0]
+    assert message is not None and 2.5 < seconds < 30, per_rank
+    assert "ranks [1] did not call save_16bit_model" in message, message
+    message, seconds = per_rank[1]  # its next check finds rank 0 gone (or timed out)
+    assert message is not None and seconds < 30, per_rank
+
+
+# ----- GatheredParameters and state_dict at stage 3 -----------------------------------------
+def gathered_state_dict():
+    import zero
+
+    out = {}
+    torch.manual_seed(0)
+    expected = {k: v.clone() for k, v in Heads(8).state_dict().items()}
+    for flag in (False, True):
+        cfg = _heads_config()
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = flag
+        torch.manual_seed(0)
+        engine, _, _, _ = zero.initialize(model=Heads(8), config=cfg)
+        params = list(engine.module.parameters())
+        with zero.GatheredParameters(params):
+            state = engine.module.state_dict()
+            still = [p.numel() for p in params]
+        full = all(torch.equal(state[k], v) for k, v in expected.items())
+        with zero.GatheredParameters(params, modifier_rank=0):
+            state_mod = engine.module.state_dict()
+            if engine.rank == 0:
+                with torch.no_grad():
+                    engine.module.body.weight.fill_(0.5)
+        with zero.GatheredParameters(engine.module.body.weight):
+            published = bool((engine.module.body.weight == 0.5).all())
+        nested = None
+        if flag:  # state_dict's own gathering inside a partial GatheredParameters block
+            with zero.GatheredParameters([engine.module.head_a.weight]):
+                whole = engine.state_dict()  # the Engine's own state_dict, keys "module.*"
+                nested = engine.module.head_a.weight.numel(), engine.module.body.weight.numel()
+                whole_full = bool((whole["module.body.weight"] == 0.5).all()) and all(
+                    torch.equal(whole["module." + k], v)
+                    for k, v in expected.items()
+                    if not k.startswith("body.")
+                )
+        out[flag] = {
+            "full": full,
+            "still": still,
+            "mod_full": all(state_mod[k].shape == v.shape for k, v in expected.items()),
+            "published": published,
+            "nested": nested,
+            "whole_full": whole_full if flag else None,
+            "released": [p.numel() for p in params],
+        }
+    return out
+
+
+def test_gathered_parameters_around_state_dict():
+    sizes = [64, 8, 64, 8, 64, 8]
+    for out in run_ranks(gathered_state_dict, 2):
+        for flag, res in out.items():
+            assert res["full"] and res["mod_full"] and res["published"], (flag, res)
+            assert res["still"] == sizes, res
+            assert res["released"] == [0] * 6, res
+        assert out[True]["nested"] == (64, 0) and out[True]["whole_full"], out[True]
