@@ -141,7 +141,12 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         psi = sum(p.numel() for p in build_model(args).parameters() if p.requires_grad)
         engine3, step3 = build_zero(args, 3)
         engine2, step2 = build_zero(args, 2)
-        step_fns = {"zero3": step3, "zero2": step2}
+        # The same stage 3 without the cross-rank agreement checks (comm.Agreement), to price
+        # them; a measurement only: the product always checks.
+        unchecked, step3_unchecked = build_zero(args, 3)
+        unchecked.comm.agreement = unchecked.gatherer.agreement = None
+        step_fns = {"zero3": step3, "zero2": step2, "zero3 unchecked": step3_unchecked}
+        checks_before = engine3.comm.agreement.checks if engine3.comm.agreement else 0
         hyper = dict(engine3.optimizer.param_groups[0])
         fsdp_error, fsdp_state = None, None
         try:
@@ -158,9 +163,16 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             fsdp_error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             step_fns.pop("fsdp2")
             ms = time_interleaved(step_fns, batches, args.warmup)
+        checks = engine3.comm.agreement.checks - checks_before if engine3.comm.agreement else 0
         if rank == 0:
             report(args, engine3, psi, ms, fsdp_error, fsdp_state, torch.get_num_threads())
-        del engine2, step_fns
+            steps = args.warmup + args.steps
+            print(
+                f"agreement checks: {checks / steps:.1f} per step; zero stage 3 with / without "
+                f"them: {ms['zero3']:.1f} / {ms['zero3 unchecked']:.1f} ms = "
+                f"{ms['zero3'] / ms['zero3 unchecked']:.3f}x (target < 1.02x)"
+            )
+        del engine2, unchecked, step_fns
         gc.collect()
     finally:
         dist.destroy_process_group()

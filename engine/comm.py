@@ -114,8 +114,9 @@ class Communicator:
     def sibling(self, purpose: str) -> "Communicator":
         """A Communicator over the same ranks on a process group of its own (same backend),
         counting into this one's ledger, for collectives whose order relative to this group's
-        may differ between ranks (stage 3's gradient reduce-scatters, see engine/stage3.py).
-        Collective over the group's ranks at the first call for `purpose`; cached after."""
+        may differ between ranks (stage 3's gradient reduce-scatters, [Note: two groups at
+        stage 3] in engine/stages.py). It supports reduce_scatter() only. Collective over the
+        group's ranks at the first call for `purpose`; cached after."""
         if self.world_size == 1:
             group = None
         else:
@@ -201,12 +202,13 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        return self._run(
-            "reduce_scatter",
-            input,
-            lambda: dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op),
-            async_op,
-        )
+        if isinstance(self.group, OwnGroup):
+            launch = lambda: self.group.reduce_scatter(output, input, async_op)  # noqa: E731
+        else:
+            launch = lambda: dist.reduce_scatter_single(  # noqa: E731
+                output, input, group=self.group, async_op=async_op
+            )
+        return self._run("reduce_scatter", input, launch, async_op)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -303,7 +305,8 @@ class Agreement:
         self.timeout_s = timeout_s
         self.group = _side_group("agreement", ranks, "gloo", timeout_s)
         self._store = _agreement_store(ranks)
-        self._calls = _METHOD_CALLS.setdefault(tuple(ranks), {})
+        default = id(dist.distributed_c10d._get_default_group())
+        self._calls = _METHOD_CALLS.setdefault((default, tuple(ranks)), {})
         self.describe = _describe_default
         self.hint = lambda a, b: ""
         self.checks = 0  # checks made (for the cost figures in docs/performance.md)
@@ -337,7 +340,7 @@ class Agreement:
         encoded += [-v * self._SHIFT + self.rank for v in values]
         tensor = torch.tensor(encoded, dtype=torch.int64)
         try:
-            dist.all_reduce(tensor, dist.ReduceOp.MAX, group=self.group)
+            self.group.all_reduce(tensor, dist.ReduceOp.MAX)
         except RuntimeError as error:
             raise self._failure(kind, idents, what, error) from error
         out = tensor.tolist()
@@ -429,17 +432,54 @@ def _default_fix(a, b) -> str:
 # Process groups zero creates beside the data-parallel group, per default group: creating one
 # is collective and costs sockets, so engines over the same ranks share them.
 _SIDE_GROUPS: dict[tuple, object] = {}
-_METHOD_CALLS: dict[tuple, dict[str, int]] = {}  # ranks -> method -> calls, shared like groups
+_METHOD_CALLS: dict[tuple, dict[str, int]] = {}  # (group, ranks) -> method -> calls
 
 
-def _side_group(purpose: str, ranks: list[int], backend, timeout_s):
+def _side_group(purpose: str, ranks: list[int], backend, timeout_s) -> "OwnGroup":
     key = (id(dist.distributed_c10d._get_default_group()), purpose, tuple(ranks), timeout_s)
     if key not in _SIDE_GROUPS:
-        options = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-        _SIDE_GROUPS[key] = dist.new_group(
-            ranks, backend=backend, use_local_synchronization=True, **options
-        )
+        _SIDE_GROUPS[key] = OwnGroup(purpose, ranks, backend, timeout_s)
     return _SIDE_GROUPS[key]
+
+
+class OwnGroup:
+    """A process group over `ranks` (global ranks, this rank among them) that zero creates for
+    itself, outside torch's registry of groups: torch names the groups it creates by how many
+    exist on the creating rank, so a group created later on some ranks only (an engine over a
+    data-parallel subgroup while other ranks idle) would get different names on different
+    ranks and never connect. This one meets in the rendezvous store under a name made of
+    `purpose` and the ranks. Backend: `backend`, else the default group's. Only its members
+    construct it (collective among them)."""
+
+    def __init__(self, purpose: str, ranks: list[int], backend=None, timeout_s=None):
+        store = dist.PrefixStore(
+            f"zero-group/{purpose}/{'-'.join(map(str, ranks))}/{timeout_s}/",
+            dist.distributed_c10d._get_default_store(),
+        )
+        timeout = (
+            dist.constants.default_pg_timeout
+            if timeout_s is None
+            else datetime.timedelta(seconds=timeout_s)
+        )
+        rank, size = ranks.index(dist.get_rank()), len(ranks)
+        backend = backend or dist.get_backend()
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = timeout
+            self.backend = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            self.backend = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
+
+    def all_reduce(self, tensor: torch.Tensor, op, async_op: bool = False):
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        work = self.backend.allreduce([tensor], options)
+        return work if async_op else work.wait()
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        work = self.backend._reduce_scatter_base(output, input, dist.ReduceScatterOptions())
+        return work if async_op else work.wait()
 
 
 def _agreement_store(ranks: list[int]):
