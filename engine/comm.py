@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 logger = logging.getLogger("zero")
 
@@ -280,12 +281,12 @@ class Agreement:
     [Note: agreement across ranks]
     Every rank must issue zero's collectives in the same order with the same sizes. Where that
     depends on the user's code (which stage-3 units a forward runs, whether every rank calls
-    save_checkpoint), a rank first says what it is about to do: check() all-reduces (MAX) a few
-    int64 on a gloo process group of its own, with a timeout (`agreement_timeout`). Each slot
-    carries `value * 2**20 + rank` and `-value * 2**20 + rank`, so one all-reduce gives every
-    rank the largest and the smallest value of every slot and a rank holding each: equal means
-    all ranks agree; otherwise every rank raises RankMismatchError naming both ranks' intents,
-    before any collective that differs was issued (a wrong value or a hang never follows).
+    save_checkpoint), a rank first says what it is about to do: check() all-gathers a few
+    int64 on a gloo process group of its own, with a timeout (`agreement_timeout`): the kind of
+    intent and up to SLOTS idents (unit indices, a method, a fingerprint). Every rank then holds
+    every rank's intent; if any differs from rank 0's, every rank raises RankMismatchError
+    naming rank 0's intent and the first differing rank's, before any collective that differs
+    was issued (a wrong value or a hang never follows).
     The group is separate from the data collectives' so a check never queues behind an
     asynchronous all-gather, and on CUDA it runs on the host without synchronizing the device.
     A rank that does not arrive within the timeout (it skipped a collective method, or it
@@ -296,8 +297,7 @@ class Agreement:
     Collective: every rank of the group calls check() and enter() in the same order.
     """
 
-    SLOTS = 6  # idents per check; longer lists take several checks
-    _SHIFT = 2**20  # ranks per group this encoding supports
+    SLOTS = 16  # idents per check; longer lists take several checks
 
     def __init__(self, ranks: list[int], rank: int, timeout_s: float):
         self.rank = rank
@@ -336,21 +336,19 @@ class Agreement:
         self.checks += 1
         values = [int(kind) << 36 | (idents[0] + 1)] + [i + 1 for i in idents[1:]]
         values += [0] * (self.SLOTS - len(values))
-        encoded = [v * self._SHIFT + self.rank for v in values]
-        encoded += [-v * self._SHIFT + self.rank for v in values]
-        tensor = torch.tensor(encoded, dtype=torch.int64)
+        mine = torch.tensor(values, dtype=torch.int64)
+        every = torch.empty(self.world_size * self.SLOTS, dtype=torch.int64)
         try:
-            self.group.all_reduce(tensor, dist.ReduceOp.MAX)
+            self.group.all_gather(every, mine)
         except RuntimeError as error:
             raise self._failure(kind, idents, what, error) from error
-        out = tensor.tolist()
-        for slot in range(self.SLOTS):
-            high, rank_a = divmod(out[slot], self._SHIFT)
-            low_neg, rank_b = divmod(out[self.SLOTS + slot], self._SHIFT)
-            if high != -low_neg:
-                a = _decode(high, slot, values[0] >> 36)
-                b = _decode(-low_neg, slot, values[0] >> 36)
-                raise RankMismatchError(self._mismatch(rank_a, a, rank_b, b))
+        rows = every.view(self.world_size, self.SLOTS).tolist()
+        other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
+        if other is not None:
+            slot = next(j for j in range(self.SLOTS) if rows[other][j] != rows[0][j])
+            first = _decode(rows[0][slot], slot, rows[0][0] >> 36)
+            differ = _decode(rows[other][slot], slot, rows[other][0] >> 36)
+            raise RankMismatchError(self._mismatch(0, first, other, differ))
 
     def _mismatch(self, rank_a: int, a, rank_b: int, b) -> str:
         said_a = self.describe(*a) if a[1] is not None else "does nothing more here"
@@ -471,10 +469,8 @@ class OwnGroup:
         else:
             self.backend = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
 
-    def all_reduce(self, tensor: torch.Tensor, op, async_op: bool = False):
-        options = dist.AllreduceOptions()
-        options.reduceOp = op
-        work = self.backend.allreduce([tensor], options)
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        work = self.backend._allgather_base(output, input, _c10d.AllgatherOptions())
         return work if async_op else work.wait()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
