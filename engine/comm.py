@@ -260,7 +260,6 @@ class Intent(enum.IntEnum):
 # Collective methods, each checked on entry (Agreement.enter) so that one called on some ranks
 # only ends in an error on every rank instead of a hang.
 METHODS = (
-    "initialize",
     "save_checkpoint",
     "load_checkpoint",
     "save_16bit_model",
@@ -305,9 +304,8 @@ class Agreement:
         self.timeout_s = timeout_s
         self.group = _side_group("agreement", ranks, "gloo", timeout_s)
         self._store = _agreement_store(ranks)
-        default = id(dist.distributed_c10d._get_default_group())
-        self._calls = _METHOD_CALLS.setdefault((default, tuple(ranks)), {})
-        self.describe = _describe_default
+        self._calls = self.group.method_calls  # shared by the engines over these ranks
+        self.describe = describe_intent
         self.hint = lambda a, b: ""
         self.checks = 0  # checks made (for the cost figures in docs/performance.md)
 
@@ -398,7 +396,8 @@ def _decode(value: int, slot: int, kind: int):
     return kind, value - 1 if value else None
 
 
-def _describe_default(kind: int, ident: int) -> str:
+def describe_intent(kind: int, ident: int) -> str:
+    """Words for an intent (Intent kind, ident) that need no model."""
     if kind == Intent.METHOD:
         return f"calls {METHODS[ident]}"
     if kind == Intent.END_BACKWARD:
@@ -427,17 +426,18 @@ def _default_fix(a, b) -> str:
     )
 
 
-# Process groups zero creates beside the data-parallel group, per default group: creating one
-# is collective and costs sockets, so engines over the same ranks share them.
-_SIDE_GROUPS: dict[tuple, object] = {}
-_METHOD_CALLS: dict[tuple, dict[str, int]] = {}  # (group, ranks) -> method -> calls
+# Process groups zero creates beside the data-parallel group: creating one is collective and
+# costs sockets, so engines over the same ranks share them, as long as the default group they
+# were made under (kept here, so its id cannot be reused) is the current one.
+_SIDE_GROUPS: dict[tuple, tuple[object, "OwnGroup"]] = {}
 
 
 def _side_group(purpose: str, ranks: list[int], backend, timeout_s) -> "OwnGroup":
-    key = (id(dist.distributed_c10d._get_default_group()), purpose, tuple(ranks), timeout_s)
-    if key not in _SIDE_GROUPS:
-        _SIDE_GROUPS[key] = OwnGroup(purpose, ranks, backend, timeout_s)
-    return _SIDE_GROUPS[key]
+    default = dist.distributed_c10d._get_default_group()
+    key = (purpose, tuple(ranks), timeout_s)
+    if key not in _SIDE_GROUPS or _SIDE_GROUPS[key][0] is not default:
+        _SIDE_GROUPS[key] = default, OwnGroup(purpose, ranks, backend, timeout_s)
+    return _SIDE_GROUPS[key][1]
 
 
 class OwnGroup:
@@ -459,6 +459,7 @@ class OwnGroup:
             if timeout_s is None
             else datetime.timedelta(seconds=timeout_s)
         )
+        self.method_calls: dict[str, int] = {}  # Agreement.enter's count per method
         rank, size = ranks.index(dist.get_rank()), len(ranks)
         backend = backend or dist.get_backend()
         if backend == "nccl":

@@ -20,9 +20,9 @@ in-place write to a gathered parameter that a release would lose raises instead
 (_check_not_modified). A parameter used
 outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
 caught by UsageGuard, a TorchFunctionMode active during engine(...): it gathers the parameter's
-unit on the spot and pins it, so it stays gathered until the end of backward. All ranks run the
-same modules in the same order, so every rank issues the same all-gathers in the same order;
-a rank that skips a module another rank runs makes the collectives differ (see docs/stages.md).
+unit on the spot and pins it, so it stays gathered until the end of backward. Every batch of
+all-gathers is checked across ranks first (comm.Agreement): a rank that runs a module another
+rank skips makes every rank raise before the collectives differ (see docs/stages.md).
 
 [Note: saved weights]
 Layers save their weights for backward (a linear layer saves a view of its weight), and a saved
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .comm import Intent
+from .comm import Intent, describe_intent
 from .init import full_numel, tensors_in
 
 # Modules made one fetch unit whatever their size (zero.utils.set_z3_leaf_modules).
@@ -459,10 +459,6 @@ class ParamGatherer:
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))
 
-    def manages(self, param) -> bool:
-        """True for a parameter zero laid out (trainable or frozen) in this engine."""
-        return id(param) in self._unit_of_param
-
     def describe(self, kind: int, ident: int) -> str:
         """Words for an intent another rank sent (comm.Agreement)."""
         if kind == Intent.GATHER and 0 <= ident < len(self.units):
@@ -472,9 +468,7 @@ class ParamGatherer:
                 f"all-gathers stage-3 unit '{unit.name}' ({type(unit.module).__name__}, "
                 f"{numel:,} elements)"
             )
-        from .comm import _describe_default
-
-        return _describe_default(kind, ident)
+        return describe_intent(kind, ident)
 
     def hint(self, a: tuple, b: tuple) -> str:
         """The fix for two ranks' differing intents `a`, `b` ((kind, ident) each) when a
