@@ -62,7 +62,10 @@ setup(
         "numpy",  # safetensors.torch.save_file converts through numpy
         "tqdm>=4.66",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6"]},
+    extras_require={
+        # transformers: tests train tiny Hugging Face models built from a config (no download)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "transformers>=4.46"],
+    },
     entry_points={
         "console_scripts": [
             "zrun=zero.launcher:main",
