@@ -254,7 +254,8 @@ class Intent(enum.IntEnum):
     LAYOUT = 1  # initialize: idents = (fingerprint of the model, config and layout,)
     GATHER = 2  # stage 3: idents = the fetch units about to be all-gathered, in order
     END_BACKWARD = 3  # the last collectives of a micro-batch's backward
-    METHOD = 4  # a collective method: idents = (index in METHODS,)
+    METHOD = 4  # a collective method: idents = (index in METHODS, hash of its arguments)
+    STEP = 5  # engine.step() at the accumulation boundary (gradient norm, optimizer step)
 
 
 # Collective methods, each checked on entry (Agreement.enter) so that one called on some ranks
@@ -263,7 +264,7 @@ METHODS = (
     "save_checkpoint",
     "load_checkpoint",
     "save_16bit_model",
-    "module.state_dict() under stage 3",
+    "state_dict() (stage 3)",
     "zero.GatheredParameters (enter)",
     "zero.GatheredParameters (exit, modifier_rank broadcast)",
 )
@@ -282,7 +283,8 @@ class Agreement:
     depends on the user's code (which stage-3 units a forward runs, whether every rank calls
     save_checkpoint), a rank first says what it is about to do: check() all-gathers a few
     int64 on a gloo process group of its own, with a timeout (`agreement_timeout`): the kind of
-    intent and up to SLOTS idents (unit indices, a method, a fingerprint). Every rank then holds
+    intent, which engine, and up to SLOTS - 2 idents (unit indices, a method and a hash of its
+    arguments, a fingerprint). Every rank then holds
     every rank's intent; if any differs from rank 0's, every rank raises RankMismatchError
     naming rank 0's intent and the first differing rank's, before any collective that differs
     was issued (a wrong value or a hang never follows).
@@ -305,82 +307,107 @@ class Agreement:
         self.group = _side_group("agreement", ranks, "gloo", timeout_s)
         self._store = _agreement_store(ranks)
         self._calls = self.group.method_calls  # shared by the engines over these ranks
+        # Engines over the same ranks share the data group: which engine issues a collective is
+        # part of every intent (engines are built collectively, so the count agrees).
+        self.instance = self.group.agreements
+        self.group.agreements += 1
         self.describe = describe_intent
         self.hint = lambda a, b: ""
         self.checks = 0  # checks made (for the cost figures in docs/performance.md)
 
-    def check(self, kind: Intent, idents=(0,), what: str | None = None) -> None:
+    def check(self, kind: Intent, idents=(0,), doing: str | None = None, method=None) -> None:
         """Raise RankMismatchError on every rank unless all ranks call check() with the same
-        `kind` and `idents` (ints in 0 .. 2**35). Blocks until every rank arrived or the
-        timeout passed; `what` names the place in messages. Collective."""
+        `kind` and `idents` (ints >= 0). Blocks until every rank arrived or the
+        timeout passed; `doing` says what this rank is about to do (default: describe()),
+        `method` is (name, call number) inside enter(). Collective."""
         idents = list(idents) or [0]
-        for start in range(0, len(idents), self.SLOTS):
-            self._check_slots(kind, idents[start : start + self.SLOTS], what)
+        per_check = self.SLOTS - 2
+        for start in range(0, len(idents), per_check):
+            self._check_slots(kind, idents[start : start + per_check], doing, method)
 
-    def enter(self, method: str) -> None:
-        """Every rank enters collective method `method` (one of METHODS) together; else every
+    def enter(self, method: str, arguments: int = 0) -> None:
+        """Every rank enters collective method `method` (one of METHODS) together, with equal
+        `arguments` (a hash of what must agree, such as the parameters it gathers); else every
         rank raises within the timeout, naming the ranks that did not arrive. Collective."""
         calls = self._calls[method] = self._calls.get(method, 0) + 1
         if self._store is not None:
             self._store.set(f"{method}/{calls}/{self.rank}", "1")
             self._store.set(f"at/{self.rank}", f"{method} (call {calls})")
         try:
-            self.check(Intent.METHOD, (METHODS.index(method),), f"{method} (call {calls})")
+            doing = f"calls {method} (call {calls})"
+            idents = (METHODS.index(method), arguments)
+            self.check(Intent.METHOD, idents, doing, (method, calls))
         finally:
             if self._store is not None:
                 self._store.delete_key(f"at/{self.rank}")
 
-    def _check_slots(self, kind: Intent, idents: list[int], what) -> None:
+    def _check_slots(self, kind: Intent, idents: list[int], doing, method) -> None:
         self.checks += 1
-        values = [int(kind) << 36 | (idents[0] + 1)] + [i + 1 for i in idents[1:]]
+        values = [int(kind), self.instance + 1] + [i + 1 for i in idents]
         values += [0] * (self.SLOTS - len(values))
         mine = torch.tensor(values, dtype=torch.int64)
         every = torch.empty(self.world_size * self.SLOTS, dtype=torch.int64)
         try:
             self.group.all_gather(every, mine)
         except RuntimeError as error:
-            raise self._failure(kind, idents, what, error) from error
+            doing = doing or self.describe(int(kind), idents[0])
+            raise self._failure(doing, method, error) from error
         rows = every.view(self.world_size, self.SLOTS).tolist()
         other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
         if other is not None:
-            slot = next(j for j in range(self.SLOTS) if rows[other][j] != rows[0][j])
-            first = _decode(rows[0][slot], slot, rows[0][0] >> 36)
-            differ = _decode(rows[other][slot], slot, rows[other][0] >> 36)
-            raise RankMismatchError(self._mismatch(0, first, other, differ))
+            raise RankMismatchError(self._mismatch(rows[0], other, rows[other]))
 
-    def _mismatch(self, rank_a: int, a, rank_b: int, b) -> str:
+    def _mismatch(self, row_0: list, other: int, row: list) -> str:
+        """The message for rank 0's intent `row_0` against rank `other`'s `row`."""
+        head = f"rank {self.rank}: ranks disagree on the next collective:"
+        slot = next(j for j in range(self.SLOTS) if row[j] != row_0[j])
+        if slot == 1:
+            return (
+                f"{head} rank 0 uses the engine of its zero.initialize call {row_0[1]}, while "
+                f"rank {other} uses that of its call {row[1]}. Every rank must run the same "
+                "engine at the same time (for example evaluate an EMA or teacher engine on "
+                "every rank, not on some)."
+            )
+        if row_0[0] == row[0] == Intent.METHOD and slot > 2:
+            return (
+                f"{head} ranks 0 and {other} call {METHODS[row_0[2] - 1]} with different "
+                "arguments (other parameters); every rank must pass the same ones."
+            )
+        slot = max(slot, 2)
+
+        def intent(r):
+            return r[0], r[slot] - 1 if r[slot] else None
+
+        a, b = intent(row_0), intent(row)
         said_a = self.describe(*a) if a[1] is not None else "does nothing more here"
         said_b = self.describe(*b) if b[1] is not None else "does nothing more here"
-        text = (
-            f"rank {self.rank}: ranks disagree on the next collective: rank {rank_a} "
-            f"{said_a}, while rank {rank_b} {said_b}."
-        )
+        text = f"{head} rank 0 {said_a}, while rank {other} {said_b}."
         return " ".join(p for p in (text, self.hint(a, b) or _default_fix(a, b)) if p)
 
-    def _failure(self, kind, idents, what, error) -> RankMismatchError:
-        place = what or self.describe(int(kind), idents[0])
+    def _failure(self, doing: str, method, error) -> RankMismatchError:
         text = str(error)
         if "imed out" not in text and "imeout" not in text:
             return RankMismatchError(
-                f"rank {self.rank}: another rank exited or failed while this rank waited at "
-                f"{place} ({text}); see that rank's error"
+                f"rank {self.rank}: another rank exited or failed while this rank waited for "
+                f"the others before it {doing} ({text}); see that rank's error"
             )
         return RankMismatchError(
-            f"rank {self.rank}: waited {self.timeout_s:g} s at {place} for the other ranks: "
-            f"{self._whereabouts(kind, what)} Every rank must make the same collective calls "
-            "in the same order; to wait longer, raise the config key agreement_timeout"
+            f"rank {self.rank}: waited {self.timeout_s:g} s for the other ranks before it "
+            f"{doing}: {self._whereabouts(method)} Every rank must make the same collective "
+            "calls in the same order; to wait longer, raise the config key agreement_timeout"
         )
 
-    def _whereabouts(self, kind, what) -> str:
+    def _whereabouts(self, method) -> str:
+        """Who is missing (inside a collective method) or where the others wait, from the
+        arrivals enter() records in the rendezvous store."""
         if self._store is None:
             return "some ranks did not arrive."
-        if kind is Intent.METHOD:
-            method, _, call = what.rpartition(" (call ")
-            prefix = f"{method}/{call.rstrip(')')}"
+        if method is not None:
+            name, calls = method
             ranks = range(self.world_size)
-            missing = [r for r in ranks if not self._store.check([f"{prefix}/{r}"])]
+            missing = [r for r in ranks if not self._store.check([f"{name}/{calls}/{r}"])]
             if missing:
-                return f"ranks {missing} did not call {method}."
+                return f"ranks {missing} did not call {name}."
         elsewhere = []
         for r in range(self.world_size):
             if r != self.rank and self._store.check([f"at/{r}"]):
@@ -389,19 +416,14 @@ class Agreement:
         return ("; ".join(elsewhere) + ".") if elsewhere else "some ranks did not arrive."
 
 
-def _decode(value: int, slot: int, kind: int):
-    """(kind, ident or None for an empty slot) of one slot's value."""
-    if slot == 0:
-        return value >> 36, (value & (2**36 - 1)) - 1
-    return kind, value - 1 if value else None
-
-
 def describe_intent(kind: int, ident: int) -> str:
     """Words for an intent (Intent kind, ident) that need no model."""
     if kind == Intent.METHOD:
         return f"calls {METHODS[ident]}"
     if kind == Intent.END_BACKWARD:
         return "ends a backward (engine.backward)"
+    if kind == Intent.STEP:
+        return "steps the optimizer (engine.step)"
     if kind == Intent.LAYOUT:
         return f"built a model whose parameters, layout and config hash to {ident:#x}"
     return f"all-gathers stage-3 unit {ident}"
@@ -460,6 +482,7 @@ class OwnGroup:
             else datetime.timedelta(seconds=timeout_s)
         )
         self.method_calls: dict[str, int] = {}  # Agreement.enter's count per method
+        self.agreements = 0  # Agreements (engines) created over this group
         rank, size = ranks.index(dist.get_rank()), len(ranks)
         backend = backend or dist.get_backend()
         if backend == "nccl":

@@ -102,7 +102,8 @@ class Engine(torch.nn.Module):
         # Before the first collective: every rank built the same model with the same config.
         agreement = comm.start_agreement(config.agreement_timeout)
         if agreement is not None:
-            agreement.check(Intent.LAYOUT, (_fingerprint(model, config),), "zero.initialize")
+            doing = "builds its engine (zero.initialize)"
+            agreement.check(Intent.LAYOUT, (_fingerprint(model, config),), doing)
         self.module.to(device=accelerator.device)  # keeps Parameter objects: groups stay valid
         if config.zero.stage < 3:
             self._materialize_frozen(named_groups)
@@ -452,7 +453,7 @@ class Engine(torch.nn.Module):
                     "zero.GatheredParameters(model.parameters()), or use zero-to-fp32 on a "
                     "checkpoint"
                 )
-            self._enter("module.state_dict() under stage 3")
+            self._enter("state_dict() (stage 3)")
         self.gatherer.hold(units)
         self._state_dict_holds.append(units)
 

@@ -14,6 +14,7 @@ data-parallel group enters and leaves the context together with the same paramet
 """
 
 import weakref
+import zlib
 
 import torch
 
@@ -76,7 +77,7 @@ class GatheredParameters:
             units = {id(u): u for p in self.params if (u := gatherer.unit_of(p)) is not None}
             self._units = list(units.values())
             if any(u.state is not UnitState.GATHERED for u in self._units):
-                _enter(optimizer, "zero.GatheredParameters (enter)")
+                _enter(optimizer, "zero.GatheredParameters (enter)", self.params)
             gatherer.hold(self._units)
         return self
 
@@ -90,7 +91,8 @@ class GatheredParameters:
             return False
         try:
             if self.modifier_rank is not None:
-                _enter(optimizer, "zero.GatheredParameters (exit, modifier_rank broadcast)")
+                method = "zero.GatheredParameters (exit, modifier_rank broadcast)"
+                _enter(optimizer, method, self.params, self.modifier_rank)
                 with torch.no_grad():
                     _publish_modification(optimizer, self.params, self.modifier_rank)
         finally:
@@ -112,10 +114,14 @@ class GatheredParameters:
             gather_in_place(param)
 
 
-def _enter(optimizer, method: str) -> None:
-    """Check that every rank enters `method` (comm.Agreement.enter); nothing at world size 1."""
-    if optimizer.comm.agreement is not None:
-        optimizer.comm.agreement.enter(method)
+def _enter(optimizer, method: str, params, modifier_rank=None) -> None:
+    """Check that every rank enters `method` (comm.Agreement.enter) for the same buckets (the
+    ones a modification is broadcast in) and modifier_rank; nothing at world size 1."""
+    if optimizer.comm.agreement is None:
+        return
+    ids = {id(p) for p in params}
+    touched = [i for i, b in enumerate(_buckets(optimizer)) if any(id(p) in ids for p in b.params)]
+    optimizer.comm.agreement.enter(method, zlib.crc32(repr((touched, modifier_rank)).encode()))
 
 
 def _publish_modification(optimizer, params, src: int) -> None:

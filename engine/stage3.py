@@ -230,14 +230,30 @@ class ParamGatherer:
     def _post_forward(self, unit: Unit):
         def hook(module, args, output):
             outputs = [t for t in tensors_in(output) if t.requires_grad]
+            if not outputs and torch.is_grad_enabled() and not _in_backward():
+                output = self._keep_in_backward(unit, output)
+                outputs = [t for t in tensors_in(output) if t.requires_grad]
             if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
             if not _in_backward():  # a recomputation's saved tensors are about to be used
                 self.release(unit)
+            return output
 
         return hook
+
+    def _keep_in_backward(self, unit: Unit, output):
+        """A call whose outputs do not require grad on this rank (a mixture-of-experts block
+        none of whose experts got a token here returns zeros) would skip the unit's backward
+        all-gather that ranks where they do require grad make. Its floating-point outputs are
+        returned through an identity that depends on one of the unit's trainable parameters
+        (giving it no gradient), so every rank gathers the unit in backward at the same point."""
+        anchor = next((b.params[0] for b in unit.buckets if b.master is not None), None)
+        if anchor is None:  # frozen parameters only: no rank has a backward here
+            return output
+        with self._own_ops():
+            return _map_floats(output, lambda t: _KeepInBackward.apply(anchor, t))
 
     def fetch(self, unit: Unit, direction: str | None = None) -> None:
         """Make `unit` GATHERED (waiting for a prefetch in flight), and prefetch what followed it
@@ -585,12 +601,23 @@ def collective_failure(rank: int, what: str, error: Exception) -> RuntimeError:
 
 def _chooser(root: torch.nn.Module, units: list) -> tuple | None:
     """(name, module) of the module that, by the look of it, picks some of `units` by data: the
-    closest common ancestor of two units that is neither the root nor a ModuleList /
-    ModuleDict, else the closest ancestor of one unit that holds it in a ModuleList /
-    ModuleDict of several modules of one class (experts). None when there is none."""
+    deepest ancestor of either unit that holds the unit's branch in a ModuleList / ModuleDict of
+    several modules of one class (experts); else the closest common ancestor of two units that
+    is neither the root nor a ModuleList / ModuleDict. None when there is none."""
     modules = dict(root.named_modules())
     containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
     paths = [u.name.split(".") for u in units if u.module is not root]
+    best = None  # (depth, name)
+    for parts in paths:
+        for depth in range(len(parts) - 1, 0, -1):
+            owner, child = modules[".".join(parts[:depth])], modules[".".join(parts[: depth + 1])]
+            kinds = {type(m) for m in child.children()} if isinstance(child, containers) else ()
+            if len(kinds) == 1 and len(child) > 1 and not isinstance(owner, containers):
+                if best is None or depth > best[0]:
+                    best = depth, ".".join(parts[:depth])
+                break
+    if best is not None:
+        return best[1], modules[best[1]]
     if len(paths) == 2:
         common = []
         for x, y in zip(*paths):
@@ -601,13 +628,31 @@ def _chooser(root: torch.nn.Module, units: list) -> tuple | None:
             common = common[:-1]
         if common and common != paths[0] and common != paths[1]:
             return ".".join(common), modules[".".join(common)]
-    for parts in paths:
-        for depth in range(len(parts) - 1, 0, -1):
-            owner, child = modules[".".join(parts[:depth])], modules[".".join(parts[: depth + 1])]
-            kinds = {type(m) for m in child.children()} if isinstance(child, containers) else ()
-            if len(kinds) == 1 and len(child) > 1 and not isinstance(owner, containers):
-                return ".".join(parts[:depth]), owner
     return None
+
+
+class _KeepInBackward(torch.autograd.Function):
+    """`tensor`, copied, as a function of `anchor` that gives `anchor` no gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor, tensor):
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def _map_floats(value, fn):
+    """`value` (a tensor, or lists, tuples and dicts of them) with fn applied to every
+    floating-point tensor; other containers are returned as they are."""
+    if isinstance(value, torch.Tensor):
+        return fn(value) if value.is_floating_point() else value
+    if type(value) in (list, tuple):
+        return type(value)(_map_floats(v, fn) for v in value)
+    if type(value) is dict:
+        return {k: _map_floats(v, fn) for k, v in value.items()}
+    return value
 
 
 def _unit_numel(unit: Unit) -> int:

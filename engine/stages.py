@@ -447,6 +447,10 @@ class ZeroOptimizer:
         Returns True when the step was applied, False when skipped (fp16 overflow). Collective.
         Records the global gradient norm (before clipping, identical on every rank).
         """
+        if self.comm.agreement is not None:
+            # A rank still in a collective method called between backward and step would
+            # otherwise leave this rank waiting in the norm's all-reduce.
+            self.comm.agreement.check(Intent.STEP)
         shards = [b.grad_shard for b in self.buckets]
         # The shards hold sum-over-ranks of loss-scaled gradients; averaging, unscaling and
         # clipping are folded into one multiplication.
