@@ -184,18 +184,23 @@ class ParamGatherer:
             if unit.persistent:
                 self.fetch(unit)
                 continue
-            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
-            self._hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
+            module = unit.module
+            self._hooks.append(
+                module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True)
+            )
+            self._hooks.append(
+                module.register_forward_hook(self._post_forward(unit), with_kwargs=True)
+            )
 
     def _pre_forward(self, unit: Unit):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if _in_backward():  # a recomputation: not part of the forward order
                 self.fetch(unit)
                 return
             self._trace.append(unit.index)
             self.fetch(unit, "forward")
             if torch.is_grad_enabled():
-                self._watch_backward(unit, [t for t in tensors_in(args) if t.requires_grad])
+                self._watch_backward(unit, _inputs_requiring_grad(args, kwargs))
 
         return hook
 
@@ -228,10 +233,10 @@ class ParamGatherer:
         self.release(unit)
 
     def _post_forward(self, unit: Unit):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             outputs = [t for t in tensors_in(output) if t.requires_grad]
             if not outputs and torch.is_grad_enabled() and not _in_backward():
-                output = self._keep_in_backward(unit, output)
+                output = self._keep_in_backward(unit, _inputs_requiring_grad(args, kwargs), output)
                 outputs = [t for t in tensors_in(output) if t.requires_grad]
             if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(
@@ -243,17 +248,18 @@ class ParamGatherer:
 
         return hook
 
-    def _keep_in_backward(self, unit: Unit, output):
+    def _keep_in_backward(self, unit: Unit, inputs: list, output):
         """A call whose outputs do not require grad on this rank (a mixture-of-experts block
         none of whose experts got a token here returns zeros) would skip the unit's backward
-        all-gather that ranks where they do require grad make. Its floating-point outputs are
-        returned through an identity that depends on one of the unit's trainable parameters
-        (giving it no gradient), so every rank gathers the unit in backward at the same point."""
-        anchor = next((b.params[0] for b in unit.buckets if b.master is not None), None)
-        if anchor is None:  # frozen parameters only: no rank has a backward here
+        all-gather, and the backward of the units that computed its inputs, that ranks where
+        they do require grad make. Its floating-point outputs are returned through an identity
+        that depends on the call's inputs and gives them zero gradients, so every rank runs
+        the same units' backward in the same order (the values are those without it)."""
+        if all(b.master is None for b in unit.buckets):  # frozen: no rank has a backward here
             return output
+        anchors = inputs or [torch.zeros((), requires_grad=True)]
         with self._own_ops():
-            return _map_floats(output, lambda t: _KeepInBackward.apply(anchor, t))
+            return _map_floats(output, lambda t: _KeepInBackward.apply(t, *anchors))
 
     def fetch(self, unit: Unit, direction: str | None = None) -> None:
         """Make `unit` GATHERED (waiting for a prefetch in flight), and prefetch what followed it
@@ -632,15 +638,24 @@ def _chooser(root: torch.nn.Module, units: list) -> tuple | None:
 
 
 class _KeepInBackward(torch.autograd.Function):
-    """`tensor`, copied, as a function of `anchor` that gives `anchor` no gradient."""
+    """`tensor`, copied, as a function of `inputs` (tensors that require grad) that gives
+    them zero gradients."""
 
     @staticmethod
-    def forward(ctx, anchor, tensor):
+    def forward(ctx, tensor, *inputs):
+        ctx.specs = [(t.shape, t.dtype, t.device) for t in inputs]
         return tensor.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None
+        zeros = [
+            torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs
+        ]
+        return None, *zeros
+
+
+def _inputs_requiring_grad(args, kwargs) -> list:
+    return [t for t in (*tensors_in(args), *tensors_in(kwargs)) if t.requires_grad]
 
 
 def _map_floats(value, fn):

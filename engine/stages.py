@@ -336,6 +336,8 @@ class ZeroOptimizer:
             bucket.reset_arrivals()
 
     def _on_grad(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        if param.grad is None:  # a custom autograd.Function gave it None: no gradient
+            return
         name = self._names[id(param)]
         if not self._accepting_grads:
             raise RuntimeError(

@@ -38,11 +38,14 @@ class Expert(torch.nn.Module):
 
 
 class SparseMoE(torch.nn.Module):
-    """Top-k routing; tokens with mask False (padding) reach no expert."""
+    """Top-k routing; tokens with mask False (padding) reach no expert. With `residual` False
+    (Mixtral's block) a rank whose tokens reach no expert returns zeros that do not require
+    grad."""
 
-    def __init__(self, top_k):
+    def __init__(self, top_k, residual=True):
         super().__init__()
         self.top_k = top_k
+        self.residual = residual
         self.gate = torch.nn.Linear(DIM, EXPERTS, bias=False)
         self.experts = torch.nn.ModuleList(Expert() for _ in range(EXPERTS))
 
@@ -53,20 +56,29 @@ class SparseMoE(torch.nn.Module):
             rows, slot = ((chosen == index) & mask[:, None]).nonzero(as_tuple=True)
             if rows.numel():
                 out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
-        return x + out
+        return x + out if self.residual else out
 
 
 class MoENet(torch.nn.Module):
+    """top_k > 0: blocks with the residual inside; top_k < 0: Mixtral's layout (top -top_k),
+    h = h + moe(norm(h)), the norm shared by both layers (one unit called twice)."""
+
     def __init__(self, top_k):
         super().__init__()
+        self.mixtral = top_k < 0
         self.embed = torch.nn.Embedding(VOCAB, DIM)
-        self.moe1 = SparseMoE(top_k)
+        self.moe1 = SparseMoE(abs(top_k), residual=not self.mixtral)
         self.norm = torch.nn.LayerNorm(DIM)
-        self.moe2 = SparseMoE(top_k)
+        self.moe2 = SparseMoE(abs(top_k), residual=not self.mixtral)
         self.head = torch.nn.Linear(DIM, VOCAB)
 
     def forward(self, x, y, mask):
-        h = self.moe2(self.norm(self.moe1(self.embed(x), mask)), mask)
+        h = self.embed(x)
+        if self.mixtral:
+            h = h + self.moe1(self.norm(h), mask)
+            h = h + self.moe2(self.norm(h), mask)
+        else:
+            h = self.moe2(self.norm(self.moe1(h, mask)), mask)
         return F.cross_entropy(self.head(h), y)
 
 
@@ -157,7 +169,8 @@ def moe_sweep(world_size):
     import zero
 
     results = []
-    for top_k, gas, how in ((1, 1, "config"), (2, 2, "config"), (2, 1, "utils")):
+    cases = ((1, 1, "config"), (2, 2, "config"), (2, 1, "utils"), (-2, 2, "utils"))
+    for top_k, gas, how in cases:
         data = moe_batches(world_size, steps=3, gas=gas)
         cfg = moe_config(gas, ["SparseMoE"] if how == "config" else None)
         engine = moe_engine(top_k, cfg, data, mark_leaves=how == "utils")
