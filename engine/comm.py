@@ -283,8 +283,8 @@ class Agreement:
     depends on the user's code (which stage-3 units a forward runs, whether every rank calls
     save_checkpoint), a rank first says what it is about to do: check() all-gathers a few
     int64 on a gloo process group of its own, with a timeout (`agreement_timeout`): the kind of
-    intent, which engine, and up to SLOTS - 2 idents (unit indices, a method and a hash of its
-    arguments, a fingerprint). Every rank then holds
+    intent, which engine, up to SLOTS - 3 idents (unit indices, a method and a hash of its
+    arguments, a fingerprint) and a float64 payload (check_and_sum). Every rank then holds
     every rank's intent; if any differs from rank 0's, every rank raises RankMismatchError
     naming rank 0's intent and the first differing rank's, before any collective that differs
     was issued (a wrong value or a hang never follows).
@@ -321,9 +321,15 @@ class Agreement:
         timeout passed; `doing` says what this rank is about to do (default: describe()),
         `method` is (name, call number) inside enter(). Collective."""
         idents = list(idents) or [0]
-        per_check = self.SLOTS - 2
+        per_check = self.SLOTS - 3
         for start in range(0, len(idents), per_check):
             self._check_slots(kind, idents[start : start + per_check], doing, method)
+
+    def check_and_sum(self, kind: Intent, value: float) -> float:
+        """check(kind), carrying `value`: returns the sum of every rank's value, added in rank
+        order in float64 (so bitwise the same on every rank). One collective serves both (the
+        optimizer step's agreement and its gradient-norm sum). Collective."""
+        return self._check_slots(kind, [0], None, None, value)
 
     def enter(self, method: str, arguments: int = 0) -> None:
         """Every rank enters collective method `method` (one of METHODS) together, with equal
@@ -341,21 +347,24 @@ class Agreement:
             if self._store is not None:
                 self._store.delete_key(f"at/{self.rank}")
 
-    def _check_slots(self, kind: Intent, idents: list[int], doing, method) -> None:
+    def _check_slots(self, kind: Intent, idents: list[int], doing, method, value=0.0) -> float:
         self.checks += 1
         values = [int(kind), self.instance + 1] + [i + 1 for i in idents]
-        values += [0] * (self.SLOTS - len(values))
-        mine = torch.tensor(values, dtype=torch.int64)
+        values += [0] * (self.SLOTS - 1 - len(values))
+        mine = torch.tensor([*values, 0], dtype=torch.int64)
+        mine[-1:].view(torch.float64).fill_(value)  # the last slot carries a float64 payload
         every = torch.empty(self.world_size * self.SLOTS, dtype=torch.int64)
         try:
             self.group.all_gather(every, mine)
         except RuntimeError as error:
             doing = doing or self.describe(int(kind), idents[0])
             raise self._failure(doing, method, error) from error
-        rows = every.view(self.world_size, self.SLOTS).tolist()
+        every = every.view(self.world_size, self.SLOTS)
+        rows = every[:, :-1].tolist()
         other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
         if other is not None:
             raise RankMismatchError(self._mismatch(rows[0], other, rows[other]))
+        return sum(every[:, -1:].contiguous().view(torch.float64).view(-1).tolist())
 
     def _mismatch(self, row_0: list, other: int, row: list) -> str:
         """The message for rank 0's intent `row_0` against rank `other`'s `row`."""

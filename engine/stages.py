@@ -449,9 +449,10 @@ class ZeroOptimizer:
         Returns True when the step was applied, False when skipped (fp16 overflow). Collective.
         Records the global gradient norm (before clipping, identical on every rank).
         """
-        if self.comm.agreement is not None:
+        if self.comm.agreement is not None and self.layout.num_shards == 1:
             # A rank still in a collective method called between backward and step would
-            # otherwise leave this rank waiting in the norm's all-reduce.
+            # otherwise leave this rank waiting in the buffers' broadcast (with shards, the
+            # gradient norm's sum is this check, see _global_norm).
             self.comm.agreement.check(Intent.STEP)
         shards = [b.grad_shard for b in self.buckets]
         # The shards hold sum-over-ranks of loss-scaled gradients; averaging, unscaling and
@@ -496,8 +497,11 @@ class ZeroOptimizer:
         return {b.master: b.param_shard for b in self.buckets}
 
     def _global_norm(self, shards) -> float:
-        """L2 norm over all owned gradient elements of all ranks (one 1-element all-reduce; with
-        model parallelism a second one over the model-parallel group, see zero.mpu)."""
+        """L2 norm over all owned gradient elements of all ranks: the ranks' sums of squares are
+        added by the step's agreement check (comm.Agreement.check_and_sum: a rank still in a
+        collective method called between backward and step makes every rank raise instead of
+        waiting); with model parallelism a second sum over the model-parallel group follows
+        (zero.mpu)."""
         device = self.buckets[0].grad_shard.device if self.buckets else "cpu"
         squares = torch.zeros(1, dtype=torch.float32, device=device)
         model_parallel = self.settings.model_parallel
@@ -507,8 +511,8 @@ class ZeroOptimizer:
                 squares += torch.linalg.vector_norm(shard).square()
             else:
                 squares += model_parallel.shard_squares(bucket.layout, shard, shard_index)
-        if self.layout.num_shards > 1:
-            self.comm.all_reduce(squares)
+        if self.layout.num_shards > 1:  # several ranks: the Engine started an agreement
+            squares.fill_(self.comm.agreement.check_and_sum(Intent.STEP, float(squares)))
         if model_parallel is not None:
             model_parallel.finish(squares)
         return float(squares.sqrt())

@@ -296,6 +296,51 @@ def test_ranks_building_different_models_stop_at_initialize():
         assert message is not None and "Every rank must build the same model" in message
 
 
+def other_misuse():
+    """Two engines of one architecture (a model and its EMA copy) used by different ranks;
+    GatheredParameters(modifier_rank=0) over different parameters per rank; a collective method
+    on one rank between backward and step."""
+    import zero
+
+    out = {}
+    torch.manual_seed(0)
+    main, _, _, _ = zero.initialize(model=Heads(8), config=_heads_config())
+    ema, _, _, _ = zero.initialize(model=Heads(8), config=_heads_config())
+    try:
+        with torch.no_grad():
+            (ema if main.rank == 0 else main)(torch.randn(2, 8), "a")
+    except zero.RankMismatchError as error:
+        out["engines"] = str(error)
+    for stage in (2, 3):
+        cfg = _heads_config(stage)
+        cfg["zero_optimization"]["reduce_bucket_size"] = 72  # one bucket per module
+        engine, _, _, _ = zero.initialize(model=Heads(8), config=cfg)
+        mine = engine.module.head_a if engine.rank == 0 else engine.module.head_b
+        try:
+            with zero.GatheredParameters(list(mine.parameters()), modifier_rank=0):
+                pass
+        except zero.RankMismatchError as error:
+            out[f"modifier {stage}"] = str(error)
+        engine.backward(engine(torch.randn(2, 8), "a"))
+        try:
+            if engine.rank == 0:
+                engine.save_checkpoint(os.path.join(os.environ["ZERO_TEST_TMP"], str(stage)))
+            engine.step()
+        except zero.RankMismatchError as error:
+            out[f"before step {stage}"] = str(error)
+    return out
+
+
+def test_other_disagreements_are_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZERO_TEST_TMP", str(tmp_path))
+    for out in run_ranks(other_misuse, 2):
+        assert "uses the engine of its zero.initialize call 2, while rank 1" in out["engines"]
+        for stage in (2, 3):
+            assert "with different arguments" in out[f"modifier {stage}"], out
+            message = out[f"before step {stage}"]
+            assert "rank 0 calls save_checkpoint, while rank 1 steps the optimizer" in message
+
+
 # ----- parameters zero does not manage ------------------------------------------------------
 def attached_after_initialize():
     import zero
