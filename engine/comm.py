@@ -112,16 +112,17 @@ class Communicator:
         self.agreement: Agreement | None = None  # set by start_agreement()
         self._siblings: list[Communicator] = []
 
-    def sibling(self, purpose: str) -> "Communicator":
+    def sibling(self, purpose: str, timeout_s: float | None = None) -> "Communicator":
         """A Communicator over the same ranks on a process group of its own (same backend),
         counting into this one's ledger, for collectives whose order relative to this group's
         may differ between ranks (stage 3's gradient reduce-scatters, [Note: two groups at
         stage 3] in engine/stages.py). It supports reduce_scatter() only. Collective over the
-        group's ranks at the first call for `purpose`; cached after."""
+        group's ranks at the first call for `purpose`; cached after. `timeout_s`: how long a
+        collective waits for the other ranks (default torch's)."""
         if self.world_size == 1:
             group = None
         else:
-            group = _side_group(purpose, self._global_ranks(), None, None)
+            group = _side_group(purpose, self._global_ranks(), None, timeout_s)
         other = Communicator(group, self.rank, self.world_size)
         other.ledger = self.ledger
         self._siblings.append(other)
@@ -347,24 +348,28 @@ class Agreement:
             if self._store is not None:
                 self._store.delete_key(f"at/{self.rank}")
 
+    def start(self, kind: Intent) -> "PendingCheck":
+        """check(kind) without waiting: the exchange runs while the caller waits for something
+        else that every agreeing rank also does (the end of backward's reductions); finish()
+        waits and raises as check() does. Collective."""
+        return self._start(kind, [0], None, None)
+
     def _check_slots(self, kind: Intent, idents: list[int], doing, method, value=0.0) -> float:
+        return self._start(kind, idents, doing, method, value).finish()
+
+    def _start(self, kind, idents, doing, method, value=0.0) -> "PendingCheck":
         self.checks += 1
         values = [int(kind), self.instance + 1] + [i + 1 for i in idents]
         values += [0] * (self.SLOTS - 1 - len(values))
         mine = torch.tensor([*values, 0], dtype=torch.int64)
         mine[-1:].view(torch.float64).fill_(value)  # the last slot carries a float64 payload
         every = torch.empty(self.world_size * self.SLOTS, dtype=torch.int64)
+        doing = doing or self.describe(int(kind), idents[0])
         try:
-            self.group.all_gather(every, mine)
+            work = self.group.all_gather(every, mine, async_op=True)
         except RuntimeError as error:
-            doing = doing or self.describe(int(kind), idents[0])
             raise self._failure(doing, method, error) from error
-        every = every.view(self.world_size, self.SLOTS)
-        rows = every[:, :-1].tolist()
-        other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
-        if other is not None:
-            raise RankMismatchError(self._mismatch(rows[0], other, rows[other]))
-        return sum(every[:, -1:].contiguous().view(torch.float64).view(-1).tolist())
+        return PendingCheck(self, work, every, doing, method)
 
     def _mismatch(self, row_0: list, other: int, row: list) -> str:
         """The message for rank 0's intent `row_0` against rank `other`'s `row`."""
@@ -423,6 +428,28 @@ class Agreement:
                 where = self._store.get(f"at/{r}").decode()
                 elsewhere.append(f"rank {r} waits in {where}, which this rank did not call")
         return ("; ".join(elsewhere) + ".") if elsewhere else "some ranks did not arrive."
+
+
+class PendingCheck:
+    """An Agreement check in flight (Agreement.start)."""
+
+    def __init__(self, agreement: Agreement, work, every: torch.Tensor, doing: str, method):
+        self.agreement, self.work, self.every = agreement, work, every
+        self.doing, self.method = doing, method
+
+    def finish(self) -> float:
+        """Wait; raise RankMismatchError as Agreement.check() does; return the payload's sum."""
+        agreement = self.agreement
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            raise agreement._failure(self.doing, self.method, error) from error
+        every = self.every.view(agreement.world_size, agreement.SLOTS)
+        rows = every[:, :-1].tolist()
+        other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
+        if other is not None:
+            raise RankMismatchError(agreement._mismatch(rows[0], other, rows[other]))
+        return sum(every[:, -1:].contiguous().view(torch.float64).view(-1).tolist())
 
 
 def describe_intent(kind: int, ident: int) -> str:

@@ -145,7 +145,8 @@ class Engine(torch.nn.Module):
             self.gatherer.attach(
                 self.optimizer.buckets + (self.frozen.buckets if self.frozen else [])
             )
-            self.optimizer.attach_gatherer(self.gatherer, comm.sibling("reduce-scatter"))
+            reduce_comm = comm.sibling("reduce-scatter", config.agreement_timeout)
+            self.optimizer.attach_gatherer(self.gatherer, reduce_comm)
             if agreement is not None:
                 self.gatherer.agreement = agreement
                 agreement.describe = self.gatherer.describe

@@ -432,12 +432,21 @@ class ZeroOptimizer:
         if not self._reduce_this_micro_batch:
             return
         self._launch_ready(force=True)
-        if self.comm.agreement is not None:
-            # The waits below need every rank here: a rank still gathering, or in a collective
-            # method, makes every rank stop with an error instead.
-            self.comm.agreement.check(Intent.END_BACKWARD)
-        while self._in_flight:
-            self._finish(self._in_flight.popleft())
+        # The waits below need every rank here. The check runs meanwhile: a rank still
+        # gathering, or in a collective method, makes every rank raise (that rank at once, this
+        # one when its reductions fail as that rank stops); at stage 3 the reductions' own group
+        # times out after agreement_timeout too.
+        agreement = self.comm.agreement
+        pending = agreement.start(Intent.END_BACKWARD) if agreement is not None else None
+        try:
+            while self._in_flight:
+                self._finish(self._in_flight.popleft())
+        except RuntimeError:
+            if pending is not None:
+                pending.finish()  # ranks that disagree explain the failure
+            raise
+        if pending is not None:
+            pending.finish()
         self._first_reduce = False
         if self.gatherer is not None:
             self.gatherer.release_all()
@@ -511,8 +520,10 @@ class ZeroOptimizer:
                 squares += torch.linalg.vector_norm(shard).square()
             else:
                 squares += model_parallel.shard_squares(bucket.layout, shard, shard_index)
-        if self.layout.num_shards > 1:  # several ranks: the Engine started an agreement
+        if self.layout.num_shards > 1 and self.comm.agreement is not None:
             squares.fill_(self.comm.agreement.check_and_sum(Intent.STEP, float(squares)))
+        elif self.layout.num_shards > 1:  # checks switched off (benchmarks/stage3_vs_fsdp.py)
+            self.comm.all_reduce(squares)
         if model_parallel is not None:
             model_parallel.finish(squares)
         return float(squares.sqrt())
