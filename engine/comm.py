@@ -348,11 +348,12 @@ class Agreement:
             if self._store is not None:
                 self._store.delete_key(f"at/{self.rank}")
 
-    def start(self, kind: Intent) -> "PendingCheck":
-        """check(kind) without waiting: the exchange runs while the caller waits for something
-        else that every agreeing rank also does (the end of backward's reductions); finish()
-        waits and raises as check() does. Collective."""
-        return self._start(kind, [0], None, None)
+    def start(self, kind: Intent, idents=(0,)) -> "PendingCheck":
+        """check(kind, idents) without waiting (at most SLOTS - 3 idents): the exchange runs
+        while the caller does what every agreeing rank also does; finish() waits and raises as
+        check() does. Collective."""
+        assert len(idents) <= self.SLOTS - 3, len(idents)
+        return self._start(kind, list(idents), None, None)
 
     def _check_slots(self, kind: Intent, idents: list[int], doing, method, value=0.0) -> float:
         return self._start(kind, idents, doing, method, value).finish()
@@ -438,7 +439,10 @@ class PendingCheck:
         self.doing, self.method = doing, method
 
     def finish(self) -> float:
-        """Wait; raise RankMismatchError as Agreement.check() does; return the payload's sum."""
+        """Wait; raise RankMismatchError as Agreement.check() does; return the payload's sum.
+        Idempotent."""
+        if self.work is None:
+            return self.total
         agreement = self.agreement
         try:
             self.work.wait()
@@ -449,7 +453,9 @@ class PendingCheck:
         other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
         if other is not None:
             raise RankMismatchError(agreement._mismatch(rows[0], other, rows[other]))
-        return sum(every[:, -1:].contiguous().view(torch.float64).view(-1).tolist())
+        self.work = None
+        self.total = sum(every[:, -1:].contiguous().view(torch.float64).view(-1).tolist())
+        return self.total
 
 
 def describe_intent(kind: int, ident: int) -> str:

@@ -75,6 +75,7 @@ class Unit:
     holds: int = 0  # open zero.GatheredParameters / state_dict() holds: never released then
     calls: int = 0  # forward calls of this micro-batch whose backward has not finished
     untracked: bool = False  # some call's backward cannot be observed (see _pre_forward)
+    check: object = None  # comm.PendingCheck of its all-gather in flight, if predicted
 
 
 def choose_units(
@@ -159,6 +160,8 @@ class ParamGatherer:
         self._trace: list[int] = []  # this step's forward order
         self._cursor = {"forward": 0, "backward": 0}
         self.agreement = None  # comm.Agreement: gathers are checked across ranks first
+        self._launched: list[tuple] = []  # this micro-batch's batches of all-gathers
+        self._last_launched: list[tuple] = []  # the last micro-batch's ([Note: predicted...])
         self.on_unit_done = None  # callback(unit): its backward is complete on this rank
 
     @contextlib.contextmanager
@@ -271,11 +274,14 @@ class ParamGatherer:
         if direction is not None and self.prefetch_numel > 0:
             launch += self._prefetch_plan(unit, direction, launch)
         if launch:
-            if self.agreement is not None:
-                self.agreement.check(Intent.GATHER, [u.index for u in launch])
+            pending = self._agree_on(tuple(u.index for u in launch))
             for upcoming in launch:
                 self._start_gather(upcoming)
+                upcoming.check = pending
         if unit.state is UnitState.GATHERING:
+            if unit.check is not None:
+                unit.check.finish()  # before using (or waiting for) what was gathered
+                unit.check = None
             with self._own_ops():
                 for bucket in unit.buckets:
                     try:
@@ -284,6 +290,25 @@ class ParamGatherer:
                         what = f"the all-gather of unit '{unit.name}'"
                         raise collective_failure(self.comm.rank, what, error) from error
             unit.state = UnitState.GATHERED
+
+    def _agree_on(self, indices: tuple):
+        """Check a batch of all-gathers across ranks. [Note: predicted batches] A batch equal
+        to the one launched at the same position of the last micro-batch (every rank knows the
+        same history: each batch of it was agreed) is checked while its all-gathers run, and
+        the check is finished before the first of them is used; any other batch is checked
+        before it is launched. A rank whose batch differs from the prediction therefore never
+        launches it, and the ranks that launched the predicted one learn of the difference
+        before they wait for it, so differing all-gathers never run. Returns the check in
+        flight, or None."""
+        position = len(self._launched)
+        self._launched.append(indices)
+        if self.agreement is None:
+            return None
+        predicted = position < len(self._last_launched) and self._last_launched[position] == indices
+        if predicted and len(indices) <= self.agreement.SLOTS - 3:
+            return self.agreement.start(Intent.GATHER, indices)
+        self.agreement.check(Intent.GATHER, indices)
+        return None
 
     def _start_gather(self, unit: Unit) -> None:
         with self._own_ops():
@@ -460,6 +485,7 @@ class ParamGatherer:
         if self._trace:
             self._order, self._trace = self._trace, []
         self._cursor = {"forward": 0, "backward": 0}
+        self._last_launched, self._launched = self._launched, []
 
     def forget_writes(self) -> None:
         """Accept in-place writes to gathered parameters without an error: a checkpoint load is
