@@ -237,10 +237,12 @@ class ParamGatherer:
 
     def _post_forward(self, unit: Unit):
         def hook(module, args, kwargs, output):
-            outputs = [t for t in tensors_in(output) if t.requires_grad]
-            if not outputs and torch.is_grad_enabled() and not _in_backward():
+            tensors = list(tensors_in(output))
+            constant = any(t.is_floating_point() and not t.requires_grad for t in tensors)
+            if constant and torch.is_grad_enabled() and not _in_backward():
                 output = self._keep_in_backward(unit, _inputs_requiring_grad(args, kwargs), output)
-                outputs = [t for t in tensors_in(output) if t.requires_grad]
+                tensors = list(tensors_in(output))
+            outputs = [t for t in tensors if t.requires_grad]
             if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
@@ -252,17 +254,22 @@ class ParamGatherer:
         return hook
 
     def _keep_in_backward(self, unit: Unit, inputs: list, output):
-        """A call whose outputs do not require grad on this rank (a mixture-of-experts block
-        none of whose experts got a token here returns zeros) would skip the unit's backward
-        all-gather, and the backward of the units that computed its inputs, that ranks where
-        they do require grad make. Its floating-point outputs are returned through an identity
-        that depends on the call's inputs and gives them zero gradients, so every rank runs
-        the same units' backward in the same order (the values are those without it)."""
+        """A floating-point output that does not require grad on this rank (a mixture-of-experts
+        block none of whose experts got a token here returns zeros, beside router logits that
+        may not reach the loss) would skip the unit's backward all-gather, and the backward of
+        the units that computed its inputs, that ranks where it does require grad make. Such
+        outputs are returned through an identity that depends on the call's inputs and gives
+        them zero gradients, so every rank runs the same units' backward in the same order (the
+        values are those without it)."""
         if all(b.master is None for b in unit.buckets):  # frozen: no rank has a backward here
             return output
         anchors = inputs or [torch.zeros((), requires_grad=True)]
+
+        def keep(tensor):
+            return tensor if tensor.requires_grad else _KeepInBackward.apply(tensor, *anchors)
+
         with self._own_ops():
-            return _map_floats(output, lambda t: _KeepInBackward.apply(t, *anchors))
+            return _map_floats(output, keep)
 
     def fetch(self, unit: Unit, direction: str | None = None) -> None:
         """Make `unit` GATHERED (waiting for a prefetch in flight), and prefetch what followed it

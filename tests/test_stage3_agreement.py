@@ -39,8 +39,8 @@ class Expert(torch.nn.Module):
 
 class SparseMoE(torch.nn.Module):
     """Top-k routing; tokens with mask False (padding) reach no expert. With `residual` False
-    (Mixtral's block) a rank whose tokens reach no expert returns zeros that do not require
-    grad."""
+    it is Mixtral's block: it returns (out, router logits), and on a rank whose tokens reach no
+    expert `out` is zeros that do not require grad while the logits (unused by the loss) do."""
 
     def __init__(self, top_k, residual=True):
         super().__init__()
@@ -50,13 +50,14 @@ class SparseMoE(torch.nn.Module):
         self.experts = torch.nn.ModuleList(Expert() for _ in range(EXPERTS))
 
     def forward(self, x, mask):
-        weights, chosen = self.gate(x).softmax(-1).topk(self.top_k, dim=-1)
+        logits = self.gate(x)
+        weights, chosen = logits.softmax(-1).topk(self.top_k, dim=-1)
         out = torch.zeros_like(x)
         for index, expert in enumerate(self.experts):
             rows, slot = ((chosen == index) & mask[:, None]).nonzero(as_tuple=True)
             if rows.numel():
                 out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
-        return x + out if self.residual else out
+        return x + out if self.residual else (out, logits)
 
 
 class MoENet(torch.nn.Module):
@@ -75,8 +76,8 @@ class MoENet(torch.nn.Module):
     def forward(self, x, y, mask):
         h = self.embed(x)
         if self.mixtral:
-            h = h + self.moe1(self.norm(h), mask)
-            h = h + self.moe2(self.norm(h), mask)
+            h = h + self.moe1(self.norm(h), mask)[0]
+            h = h + self.moe2(self.norm(h), mask)[0]
         else:
             h = self.moe2(self.norm(self.moe1(h, mask)), mask)
         return F.cross_entropy(self.head(h), y)
