@@ -152,14 +152,15 @@ class Engine(torch.nn.Module):
                 agreement.describe = self.gatherer.describe
                 agreement.hint = self.gatherer.hint
             self._state_dict_holds: list[list] = []
-            # torch tags these hooks with attributes, which bound methods cannot take
-            self.module.register_state_dict_pre_hook(
-                lambda *args: self._gather_for_state_dict(*args)
-            )
-            self.module.register_state_dict_post_hook(
-                lambda *args: self._release_after_state_dict(*args)
-            )
             for module in self.module.modules():
+                # state_dict() of the model or of any submodule returns full tensors; torch
+                # tags these hooks with attributes, which bound methods cannot take
+                module.register_state_dict_pre_hook(
+                    lambda *args: self._gather_for_state_dict(*args)
+                )
+                module.register_state_dict_post_hook(
+                    lambda *args: self._release_after_state_dict(*args)
+                )
                 guard_load_state_dict(module)
         gathered.register(self.optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
@@ -440,11 +441,13 @@ class Engine(torch.nn.Module):
 
     # ----- full weights (stage 3 gathers them) ------------------------------------------
     def _gather_for_state_dict(self, module, prefix, keep_vars) -> None:
-        """Stage 3: module.state_dict() holds every unit gathered while it runs, so it returns
-        full tensors. Collective (every rank must call it, as for DeepSpeed's
-        save_16bit_model) unless every unit is gathered already (inside a
-        zero.GatheredParameters over all parameters, where one rank may call it alone)."""
-        units = self.gatherer.units
+        """Stage 3: state_dict() of the model or a submodule holds the units of its parameters
+        gathered while it runs, so it returns full tensors (a submodule's call inside its
+        parent's finds them gathered). Collective (every rank must call it, as for
+        DeepSpeed's save_16bit_model) unless they are gathered already (inside a
+        zero.GatheredParameters over them, where one rank may call it alone)."""
+        found = {id(u): u for p in module.parameters() if (u := self.gatherer.unit_of(p))}
+        units = list(found.values())
         if any(u.state is not UnitState.GATHERED for u in units):
             if not self.config.zero.stage3_gather_16bit_weights_on_model_save:
                 raise RuntimeError(

@@ -459,6 +459,11 @@ def gathered_state_dict():
                     engine.module.body.weight.fill_(0.5)
         with zero.GatheredParameters(engine.module.body.weight):
             published = bool((engine.module.body.weight == 0.5).all())
+        try:  # a submodule's state_dict gathers too (before: 0-element tensors, silently)
+            head = engine.module.head_a.state_dict()
+            head_full = all(torch.equal(head[k], expected["head_a." + k]) for k in head)
+        except RuntimeError as error:
+            head_full = str(error)
         nested = None
         if flag:  # state_dict's own gathering inside a partial GatheredParameters block
             with zero.GatheredParameters([engine.module.head_a.weight]):
@@ -477,6 +482,7 @@ def gathered_state_dict():
             "nested": nested,
             "whole_full": whole_full if flag else None,
             "released": [p.numel() for p in params],
+            "head_full": head_full,
         }
     return out
 
@@ -489,6 +495,8 @@ def test_gathered_parameters_around_state_dict():
             assert res["still"] == sizes, res
             assert res["released"] == [0] * 6, res
         assert out[True]["nested"] == (64, 0) and out[True]["whole_full"], out[True]
+        assert out[True]["head_full"] is True, out[True]
+        assert "stage3_gather_16bit_weights_on_model_save" in out[False]["head_full"]
 
 
 # ----- a Hugging Face mixture of experts ----------------------------------------------------
