@@ -446,8 +446,7 @@ class Engine(torch.nn.Module):
         parent's finds them gathered). Collective (every rank must call it, as for
         DeepSpeed's save_16bit_model) unless they are gathered already (inside a
         zero.GatheredParameters over them, where one rank may call it alone)."""
-        found = {id(u): u for p in module.parameters() if (u := self.gatherer.unit_of(p))}
-        units = list(found.values())
+        units = self.gatherer.units_of(module.parameters())
         if any(u.state is not UnitState.GATHERED for u in units):
             if not self.config.zero.stage3_gather_16bit_weights_on_model_save:
                 raise RuntimeError(

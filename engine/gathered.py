@@ -74,8 +74,7 @@ class GatheredParameters:
         self._check_modifier(optimizer.comm.world_size)
         gatherer = optimizer.gatherer
         if gatherer is not None:
-            units = {id(u): u for p in self.params if (u := gatherer.unit_of(p)) is not None}
-            self._units = list(units.values())
+            self._units = gatherer.units_of(self.params)
             if any(u.state is not UnitState.GATHERED for u in self._units):
                 _enter(optimizer, "zero.GatheredParameters (enter)", self.params)
             gatherer.hold(self._units)
@@ -119,18 +118,22 @@ def _enter(optimizer, method: str, params, modifier_rank=None) -> None:
     ones a modification is broadcast in) and modifier_rank; nothing at world size 1."""
     if optimizer.comm.agreement is None:
         return
-    ids = {id(p) for p in params}
-    touched = [i for i, b in enumerate(_buckets(optimizer)) if any(id(p) in ids for p in b.params)]
+    touched = [i for i, _ in _buckets_holding(optimizer, params)]
     optimizer.comm.agreement.enter(method, zlib.crc32(repr((touched, modifier_rank)).encode()))
+
+
+def _buckets_holding(optimizer, params) -> list:
+    """(index, bucket) of the optimizer's buckets that hold any of `params`."""
+    ids = {id(p) for p in params}
+    return [
+        (i, b) for i, b in enumerate(_buckets(optimizer)) if any(id(p) in ids for p in b.params)
+    ]
 
 
 def _publish_modification(optimizer, params, src: int) -> None:
     """Broadcast the buckets holding `params` from rank `src` and refresh the owned slices."""
-    ids = {id(p) for p in params}
     shard = optimizer.layout.shard_of(optimizer.comm.rank)
-    for bucket in _buckets(optimizer):
-        if not any(id(p) in ids for p in bucket.params):
-            continue
+    for _, bucket in _buckets_holding(optimizer, params):
         optimizer.comm.broadcast(bucket.param_buffer, src=src)
         begin, end = bucket.layout.owned_range(shard)
         owned = bucket.param_buffer[begin:end]

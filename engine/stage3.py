@@ -77,6 +77,11 @@ class Unit:
     untracked: bool = False  # some call's backward cannot be observed (see _pre_forward)
     check: object = None  # comm.PendingCheck of its all-gather in flight, if predicted
 
+    @property
+    def frozen(self) -> bool:
+        """Only frozen parameters: no gradients, so no rank has a backward for it."""
+        return all(b.master is None for b in self.buckets)
+
 
 def choose_units(
     model: torch.nn.Module,
@@ -219,8 +224,7 @@ class ParamGatherer:
         the same priority), cannot be observed: the unit then completes as its gradients arrive
         or at the end of backward."""
         unit.calls += 1
-        frozen = all(b.master is None for b in unit.buckets)
-        if not inputs or not (frozen or all(t.grad_fn is not None for t in inputs)):
+        if not inputs or not (unit.frozen or all(t.grad_fn is not None for t in inputs)):
             unit.untracked = True
             return
         torch.autograd.graph.register_multi_grad_hook(
@@ -261,7 +265,7 @@ class ParamGatherer:
         outputs are returned through an identity that depends on the call's inputs and gives
         them zero gradients, so every rank runs the same units' backward in the same order (the
         values are those without it)."""
-        if all(b.master is None for b in unit.buckets):  # frozen: no rank has a backward here
+        if unit.frozen:
             return output
         anchors = inputs or [torch.zeros((), requires_grad=True)]
 
@@ -513,6 +517,11 @@ class ParamGatherer:
 
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))
+
+    def units_of(self, params) -> list:
+        """The units holding `params` (parameters zero does not lay out are skipped), each once."""
+        found = {id(u): u for p in params if (u := self.unit_of(p)) is not None}
+        return list(found.values())
 
     def describe(self, kind: int, ident: int) -> str:
         """Words for an intent another rank sent (comm.Agreement)."""
