@@ -13,6 +13,9 @@ _EXPORTS = {
     "Init": "init",
     "RankMismatchError": "comm",
     "initialize": "api",
+    "add_config_arguments": "api",
+    "is_compile_supported": "api",
+    "init_distributed": "comm",
     "Engine": "engine",
     "Config": "config",
     "ConfigError": "config",
@@ -32,6 +35,7 @@ _MODULES = {
     "ops": "ops",
     "init": "init",
     "utils": "utils",
+    "comm": "comm",
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])
