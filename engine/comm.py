@@ -210,7 +210,7 @@ class Communicator:
         if isinstance(self.group, OwnGroup):
             launch = lambda: self.group.reduce_scatter(output, input, async_op)  # noqa: E731
         else:
-            launch = lambda: dist.reduce_scatter_single(  # noqa: E731
+            launch = lambda: dist.reduce_scatter_tensor(  # noqa: E731
                 output, input, group=self.group, async_op=async_op
             )
         return self._run("reduce_scatter", input, launch, async_op)
@@ -231,7 +231,7 @@ class Communicator:
         return self._run(
             "all_gather",
             output,
-            lambda: dist.all_gather_single(output, input, group=self.group, async_op=async_op),
+            lambda: dist.all_gather_into_tensor(output, input, self.group, async_op),
             async_op,
         )
 
