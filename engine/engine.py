@@ -107,6 +107,20 @@ class Engine(torch.nn.Module):
         if agreement is not None:
             doing = "builds its engine (zero.initialize)"
             agreement.check(Intent.LAYOUT, (_fingerprint(model, config),), doing)
+        # A scheduler that cannot be built (a misspelled parameter) fails before the model is
+        # touched; it drives the param groups' lr, which zero keeps.
+        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
+        snapshot = ModelSnapshot(model)
+        try:
+            self._build(named_groups, optimizer, agreement, mpu)
+        except BaseException:
+            snapshot.restore()  # a failed zero.initialize leaves the model as it found it
+            raise
+
+    def _build(self, named_groups, optimizer, agreement, mpu) -> None:
+        """Lay the model out and attach zero to it (the part of construction that changes the
+        model: parameter storage, hooks, device)."""
+        config, comm, accelerator = self.config, self.comm, self.accelerator
         self.module.to(device=accelerator.device)  # keeps Parameter objects: groups stay valid
         if config.zero.stage < 3:
             self._materialize_frozen(named_groups)
@@ -166,7 +180,6 @@ class Engine(torch.nn.Module):
                 )
                 guard_load_state_dict(module)
         gathered.register(self.optimizer)
-        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
         self.phase = Phase.IDLE
         self._no_sync = False  # inside engine.no_sync()
         self._boundary = None  # set_gradient_accumulation_boundary's value; None: count
@@ -681,6 +694,53 @@ class Engine(torch.nn.Module):
         from .memory import memory_report
 
         return memory_report(self)
+
+
+class ModelSnapshot:
+    """What Engine construction changes on a model, to put back when construction fails: every
+    module's and parameter's hook tables (zero adds forward, state_dict and gradient hooks), the
+    tensor each parameter holds (zero rebinds parameters to its flat buffers or, at stage 3,
+    releases them) and its attributes (a zero.Init shard is dropped once laid out). Tensors
+    are referenced, not copied."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = [(m, _hook_tables(m)) for m in model.modules()]
+        self.params = [
+            (p, p.data, p.grad, dict(vars(p)), _hook_tables(p))
+            for p in dict.fromkeys(model.parameters())
+        ]
+
+    def restore(self) -> None:
+        for module, tables in self.modules:
+            _set_hook_tables(module, tables)
+        for param, data, grad, attributes, tables in self.params:
+            param.data, param.grad = data, grad
+            vars(param).clear()
+            vars(param).update(attributes)
+            _set_hook_tables(param, tables)
+
+
+_TENSOR_HOOKS = ("_post_accumulate_grad_hooks", "_backward_hooks")
+
+
+def _hook_names(obj) -> list[str]:
+    if isinstance(obj, torch.Tensor):  # kept outside the instance __dict__, None until used
+        return [name for name in _TENSOR_HOOKS if isinstance(getattr(obj, name, None), dict)]
+    return [k for k, v in vars(obj).items() if "hook" in k and isinstance(v, dict)]
+
+
+def _hook_tables(obj) -> dict:
+    """Copies of the hook dictionaries torch keeps on a module (_forward_hooks,
+    _state_dict_pre_hooks, ...) or a tensor (_post_accumulate_grad_hooks, ...)."""
+    return {name: dict(getattr(obj, name)) for name in _hook_names(obj)}
+
+
+def _set_hook_tables(obj, tables: dict) -> None:
+    """Put back `tables` in place (a hook handle's remove() deletes from the same objects)."""
+    for name in _hook_names(obj):
+        table = getattr(obj, name)
+        table.clear()
+        table.update(tables.get(name, {}))
 
 
 def _fingerprint(model, config) -> int:
