@@ -34,6 +34,13 @@ def register(optimizer) -> None:
             _OWNER[id(param)] = ref
 
 
+def owner(param):
+    """The ZeroOptimizer that lays out `param` (trainable, or a stage-3 frozen parameter), or
+    None when no live engine does (zero.utils reads shards through it)."""
+    ref = _OWNER.get(id(param))
+    return None if ref is None else ref()
+
+
 def _buckets(optimizer) -> list:
     return optimizer.gatherer.buckets if optimizer.gatherer is not None else optimizer.buckets
 
@@ -58,11 +65,7 @@ class GatheredParameters:
         self._init_params = []  # zero.Init parameters gathered by this context
 
     def _owner(self):
-        for param in self.params:
-            ref = _OWNER.get(id(param))
-            if ref is not None and ref() is not None:
-                return ref()
-        return None
+        return next((o for p in self.params if (o := owner(p)) is not None), None)
 
     def __enter__(self):
         if not self.enabled:
