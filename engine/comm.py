@@ -271,6 +271,8 @@ METHODS = (
     "state_dict() (stage 3)",
     "zero.GatheredParameters (enter)",
     "zero.GatheredParameters (exit, modifier_rank broadcast)",
+    "zero.utils.safe_get_full_* (an all-gather of one parameter)",
+    "zero.utils.safe_set_full_* (every rank passes the same value)",
 )
 
 
@@ -389,7 +391,8 @@ class Agreement:
         if row_0[0] == row[0] == Intent.METHOD and slot > 2:
             return (
                 f"{head} ranks 0 and {other} call {METHODS[row_0[2] - 1]} with different "
-                "arguments (other parameters); every rank must pass the same ones."
+                "arguments (other parameters, state keys or values); every rank must pass the "
+                "same ones."
             )
         slot = max(slot, 2)
 
@@ -484,8 +487,8 @@ def _default_fix(a, b) -> str:
     if Intent.METHOD in kinds:
         return (
             "Collective methods (save_checkpoint, load_checkpoint, save_16bit_model, "
-            "state_dict under stage 3, zero.GatheredParameters) must be called on every rank, "
-            "not under `if rank == 0`."
+            "state_dict under stage 3, zero.GatheredParameters, zero.utils.safe_get_full_* and "
+            "safe_set_full_*) must be called on every rank, not under `if rank == 0`."
         )
     return (
         "Under ZeRO stage 3 every rank must run the same modules in the same order "

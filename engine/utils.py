@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from . import gathered
-from .comm import Intent, RankMismatchError
 from .stage3 import _LEAF_MODULES, is_leaf
 
 
@@ -156,15 +155,17 @@ def _owned(target: _Target) -> tuple[slice, slice]:
     return slice(lo - begin, hi - begin), slice(lo - slot.offset, hi - slot.offset)
 
 
-def _full(target: _Target, shard: torch.Tensor) -> torch.Tensor:
+def _full(target: _Target, shard: torch.Tensor, caller: str, key: str = "") -> torch.Tensor:
     """The parameter's full value (shaped like it, on the compute device, a new tensor) from
     every rank's bucket-shaped `shard` ((shard_numel,), any dtype): one all-gather of the bucket
-    over the data-parallel group when the bucket is sharded (collective), none at stage 0."""
+    over the data-parallel group when the bucket is sharded (collective, checked by _enter),
+    none at stage 0."""
     optimizer, bucket, slot = target
     shard = shard.to(target.device)
     if optimizer.layout.num_shards == 1:
         full = shard  # stage 0 or world size 1: this rank holds the whole bucket
     else:
+        _enter(target, _GET, caller, key)
         full = torch.empty(bucket.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         optimizer.comm.all_gather(full, shard)
     return full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
@@ -241,37 +242,21 @@ def _local_value(target: _Target, value, caller: str) -> torch.Tensor:
     return value.detach().to(device=target.device, dtype=torch.float32).reshape(-1)
 
 
-def _agree_on_value(target: _Target, caller: str, key: str, flat: torch.Tensor) -> None:
-    """Raise on every rank unless every rank passes the same value for the same parameter and
-    key. Two agreement checks (comm.Agreement) on the side group: the first sums every rank's
-    crc32 of (caller, parameter, key, fp32 bytes of the value), the second every rank's squared
-    distance of its checksum from the mean; that sum is zero exactly when all are equal, and
-    every rank sees the same sums, so every rank decides alike. Collective at world size > 1.
-
-    comm.METHODS has no entry for these setters, so the checks go as an Intent.METHOD check with
-    one ident (no enter() call has that shape); a rank elsewhere is told that this rank
-    "calls save_checkpoint" (the name of METHODS[0]), which is why the error here says more."""
-    agreement = target.optimizer.comm.agreement
-    if agreement is None:
+def _enter(target: _Target, method: str, caller: str, key: str, flat=None) -> None:
+    """Check that every rank calls `method` (a comm.METHODS entry) now, for the same parameter
+    and state key and, for a setter, the same value (a crc32 of its fp32 bytes): otherwise every
+    rank raises RankMismatchError before any collective or write. Collective at world size > 1."""
+    comm = target.optimizer.comm
+    if comm.agreement is None or comm.world_size == 1:
         return
-    name = repr((caller, target.slot.name, key)).encode()
-    crc = zlib.crc32(flat.cpu().numpy().tobytes(), zlib.crc32(name))
-    try:
-        total = agreement.check_and_sum(Intent.METHOD, float(crc))
-        spread = agreement.check_and_sum(Intent.METHOD, (agreement.world_size * crc - total) ** 2)
-    except RankMismatchError as error:
-        raise RankMismatchError(
-            f"rank {target.rank}: zero.utils.{caller}('{target.slot.name}') is collective: every "
-            "rank must call it at the same point (it checks that all pass the same value), not "
-            f"under `if rank == 0`. The check failed: {error}"
-        ) from error
-    if spread != 0:
-        raise ValueError(
-            f"rank {target.rank}: zero.utils.{caller}('{target.slot.name}'): the ranks passed "
-            "different values (or parameters, or keys); every rank must pass the same full value "
-            "(each writes its own slice of it): compute or load it alike on every rank, or "
-            "broadcast it from one rank first. Nothing was written"
-        )
+    crc = zlib.crc32(repr((caller, target.slot.name, key)).encode())
+    if flat is not None:
+        crc = zlib.crc32(flat.cpu().numpy().tobytes(), crc)
+    comm.agreement.enter(method, crc)
+
+
+_GET = "zero.utils.safe_get_full_* (an all-gather of one parameter)"
+_SET = "zero.utils.safe_set_full_* (every rank passes the same value)"
 
 
 def _write_params(target: _Target, owned: torch.Tensor, full: torch.Tensor | None) -> None:
@@ -304,7 +289,7 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     ValueError for a frozen parameter or one no engine trains.
     """
     target = _target(param, "safe_get_full_fp32_param")
-    return _full(target, target.bucket.master)
+    return _full(target, target.bucket.master, "safe_get_full_fp32_param")
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor:
@@ -319,7 +304,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor:
     frozen parameter or one no engine trains.
     """
     target = _target(param, "safe_get_full_grad")
-    return _full(target, _reduced_grad(target, "safe_get_full_grad"))
+    return _full(target, _reduced_grad(target, "safe_get_full_grad"), "safe_get_full_grad")
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str):
@@ -336,7 +321,9 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     caller = "safe_get_full_optimizer_state"
     target = _target(param, caller)
     value = _state(target, optim_state_key, caller)
-    return _full(target, value) if _is_sharded(target, value) else _as_is(value)
+    if not _is_sharded(target, value):
+        return _as_is(value)
+    return _full(target, value, "safe_get_full_optimizer_state", optim_state_key)
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -347,14 +334,14 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     parameter if its unit is gathered now). The next optimizer step starts from it. DeepSpeed's
     deepspeed.utils.safe_set_full_fp32_param.
 
-    Every rank must call it with the same value (world size > 1: two small agreement checks
-    compare a checksum of it; ValueError on every rank when the values differ, nothing
+    Every rank must call it with the same value (world size > 1: an agreement check compares a
+    checksum of it; zero.RankMismatchError on every rank when the values differ, nothing
     written). Raises ValueError for a wrong shape, a frozen parameter or one no engine trains.
     """
     caller = "safe_set_full_fp32_param"
     target = _target(param, caller)
     flat = _full_value(target, value, caller)
-    _agree_on_value(target, caller, "", flat)
+    _enter(target, _SET, caller, "", flat)
     shard_part, param_part = _owned(target)
     with torch.no_grad():
         target.bucket.master[shard_part].copy_(flat[param_part])
@@ -377,7 +364,7 @@ def safe_set_full_optimizer_state(
     target = _target(param, caller)
     state = _writable_state(target, optim_state_key, caller)
     flat = _full_value(target, value, caller)
-    _agree_on_value(target, caller, optim_state_key, flat)
+    _enter(target, _SET, caller, optim_state_key, flat)
     shard_part, param_part = _owned(target)
     with torch.no_grad():
         state[shard_part].copy_(flat[param_part])

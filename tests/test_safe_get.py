@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from distributed import run_ranks
 
+import zero
+
 VOCAB, DIM, HIDDEN = 11, 6, 7
 SEQ, MICRO = 5, 2
 LR, BETAS, EPS, DECAY = 1e-2, (0.9, 0.99), 1e-8, 0.1
@@ -261,9 +263,14 @@ def misuse(engine, stage) -> dict:
     }
     # a different value on every rank: every rank raises, and nothing is written
     errors["different values"] = raises(
-        ValueError, utils.safe_set_full_fp32_param, weight, before + engine.rank
+        zero.RankMismatchError, utils.safe_set_full_fp32_param, weight, before + engine.rank
     )
     errors["unchanged"] = torch.equal(utils.safe_get_full_fp32_param(weight), before)
+    # ranks asking for different parameters: every rank raises before the all-gather
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    errors["different parameters"] = raises(
+        zero.RankMismatchError, utils.safe_get_full_fp32_param, params[engine.rank % 2]
+    )
     return errors
 
 
@@ -360,7 +367,8 @@ def check_case(spec, res, world_size, low):
     for key in ("wrong shape", "scalar state", "local wrong numel"):
         assert errors[key] is not None, (spec, key)
     assert errors["unchanged"]
-    if world_size > 1:
-        assert "different values" in errors["different values"], errors
-    else:
-        assert errors["different values"] is None
+    for key in ("different values", "different parameters"):
+        if world_size > 1 and (key == "different values" or spec[0] > 0):
+            assert "with different arguments" in errors[key], errors
+        else:
+            assert errors[key] is None, (spec, key)
