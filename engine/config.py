@@ -11,7 +11,9 @@ byte-sized key is ``aio.block_size``.
 
 Loading (``load_config``) runs these steps, in order:
   1. read the source (path to .json/.hjson/.yaml/.yml, a mapping, or an existing ``Config``);
-     a key given twice in one mapping is an error, and YAML reads 1e-3 as a float, like JSON;
+     YAML reads 1e-3 as a float, like JSON. One walk over the data refuses a key given twice
+     in one mapping, keys that are not strings, nesting deeper than 100 levels and non-finite
+     numbers anywhere (see [Note: what the checking walk refuses]);
   2. map deprecated DeepSpeed names to their current ones (each with a ``FutureWarning``);
   3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs); an "auto"
      bucket size or threshold nothing fills takes its default, said in one info line;
@@ -27,6 +29,7 @@ are read-only mappings and lists are tuples.
 import functools
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -95,7 +98,11 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-def _to_whole(value: Any, *, minimum: int, what: str) -> int:
+# Every count and size is used as a torch int64 (tensor sizes, offsets, step counters).
+_INT64_MAX = 2**63 - 1
+
+
+def _to_whole(value: Any, *, minimum: int, what: str, maximum: int = _INT64_MAX) -> int:
     """Coerce JSON numbers such as 5e8 (a float) or YAML's "5e8" (a string) to an int."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"expected {what}")
@@ -113,11 +120,15 @@ def _to_whole(value: Any, *, minimum: int, what: str) -> int:
     if value < minimum:
         bound = "positive" if minimum == 1 else f">= {minimum}"
         raise ValueError(f"must be {bound} ({what})")
+    if value > maximum:
+        bound = "2**63 - 1, the largest int64" if maximum == _INT64_MAX else str(maximum)
+        raise ValueError(f"must be at most {bound} ({what})")
     return value
 
 
-def _whole(minimum: int, what: str) -> Any:
-    return Annotated[int, BeforeValidator(functools.partial(_to_whole, minimum=minimum, what=what))]
+def _whole(minimum: int, what: str, maximum: int = _INT64_MAX) -> Any:
+    check = functools.partial(_to_whole, minimum=minimum, what=what, maximum=maximum)
+    return Annotated[int, BeforeValidator(check)]
 
 
 _ELEMENTS = "a whole number of elements; DeepSpeed sizes count elements, not bytes"
@@ -126,6 +137,16 @@ ElementsOrZero = _whole(0, _ELEMENTS)
 Count = _whole(1, "a whole number")
 CountOrZero = _whole(0, "a whole number")
 Bytes = _whole(1, "a whole number of bytes")
+
+
+def _not_bool(value: Any) -> Any:
+    # pydantic reads true as 1.0: gradient_clipping: true would clip at 1.0 without a word.
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not true or false")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_not_bool)]
 
 
 def _to_stage(value: Any) -> int:
@@ -174,9 +195,15 @@ def _cross(message: str) -> PydanticCustomError:
 
 
 class _Block(BaseModel):
-    """Base of every config block: immutable, unknown keys are errors."""
+    """Base of every config block: immutable, unknown keys are errors, floats are finite.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=False)
+    ``allow_inf_nan=False`` refuses the strings "inf" / "nan" that pydantic would otherwise read
+    into a float field; non-finite numbers themselves never get this far (``_checked``).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=False, allow_inf_nan=False
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,11 +248,14 @@ class FP16Config(_Block):
 
     enabled: bool = Field(False, description="Train in float16 with loss scaling.")
     auto_cast: bool = Field(False, description="Cast floating-point inputs to float16.")
-    loss_scale: float = Field(
+    loss_scale: Number = Field(
         0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling."
     )
-    initial_scale_power: CountOrZero = Field(
-        16, description="Dynamic scaling starts at 2**initial_scale_power."
+    initial_scale_power: _whole(0, "a power of two", maximum=63) = Field(
+        16,
+        description="Dynamic scaling starts at 2**initial_scale_power, at most 2**63: float16 "
+        "overflows above 65504 (about 2**16), so a higher start only skips steps while the "
+        "scale halves down, and 63 already allows 47 halvings (2**1024 is not even a float).",
     )
     loss_scale_window: Count = Field(
         1000, description="Overflow-free steps before the dynamic scale is doubled."
@@ -236,7 +266,7 @@ class FP16Config(_Block):
     consecutive_hysteresis: bool = Field(
         False, description="Refill hysteresis after every overflow-free step."
     )
-    min_loss_scale: float = Field(1.0, gt=0, description="Lower bound of the dynamic scale.")
+    min_loss_scale: Number = Field(1.0, gt=0, description="Lower bound of the dynamic scale.")
     fp16_master_weights_and_grads: bool = Field(
         False, description="Keep master weights and gradients in float16 (needs fp16.enabled)."
     )
@@ -272,7 +302,7 @@ class OffloadOptimizerConfig(_Block):
     pipeline_read: bool = Field(False, description="Overlap nvme reads with compute.")
     pipeline_write: bool = Field(False, description="Overlap nvme writes with compute.")
     fast_init: bool = Field(False, description="Fast optimizer initialization on nvme.")
-    ratio: float = Field(
+    ratio: Number = Field(
         1.0, gt=0, le=1, description="Fraction of optimizer states offloaded (0 < ratio <= 1)."
     )
 
@@ -490,7 +520,7 @@ class FlopsProfilerConfig(_Block):
     """DeepSpeed ``flops_profiler``."""
 
     enabled: bool = Field(False, description="Profile FLOPs, latency and parameters.")
-    recompute_fwd_factor: float = Field(
+    recompute_fwd_factor: Number = Field(
         0.0, ge=0, description="Extra forward passes due to activation recomputation."
     )
     profile_step: Count = Field(1, description="Training step to profile.")
@@ -534,6 +564,11 @@ class CheckpointConfig(_Block):
     load_universal: bool = Field(False, description="Load a universal (resharded) checkpoint.")
     use_node_local_storage: bool = Field(
         False, description="Each node writes to its own local storage."
+    )
+    verify_checksums: bool = Field(
+        True,
+        description="On load, check each file's crc32 recorded in meta.json before reading it "
+        "(about 0.1 s per GB); false skips this pass for very large checkpoints.",
     )
 
 
@@ -585,14 +620,13 @@ class Config(_Block):
     gradient_accumulation_steps: Count | None = Field(
         None, description="Micro-batches accumulated before each optimizer step."
     )
-    gradient_clipping: float = Field(
+    gradient_clipping: Number = Field(
         1.0, ge=0, description="Clip the global gradient L2 norm to this value; 0 disables."
     )
     steps_per_print: Count = Field(10, description="Log progress every this many steps.")
-    agreement_timeout: float = Field(
+    agreement_timeout: Number = Field(
         300.0,
         gt=0,
-        allow_inf_nan=False,
         description="zero's own: seconds a rank waits at a checked collective (stage-3 "
         "all-gathers, end of backward, collective methods such as save_checkpoint) for the "
         "other ranks before every rank stops with an error naming the missing ranks.",
@@ -604,7 +638,7 @@ class Config(_Block):
     prescale_gradients: bool = Field(
         False, description="Divide gradients by the world size before reduction, not after."
     )
-    gradient_predivide_factor: float = Field(
+    gradient_predivide_factor: Number = Field(
         1.0, gt=0, description="Divide gradients by this before reduction, the rest after."
     )
     communication_data_type: HalfOrFull | None = Field(
@@ -785,7 +819,8 @@ def load_config(
         An immutable ``Config`` whose three batch keys are ints.
 
     Raises:
-        ConfigError: missing or unparsable file, unknown key, invalid value, broken cross-field
+        ConfigError: missing, unreadable, non-UTF-8 or unparsable file, non-finite number or
+            nesting deeper than 100 levels anywhere, unknown key, invalid value, broken cross-field
             rule, unresolved "auto", ZeRO++ / MiCS keys set to anything but their defaults
             (not implemented), or a batch triple that does not fit ``world_size``. The message
             names the dotted key, the value and the fix (and the file, if any).
@@ -801,6 +836,11 @@ def load_config(
     else:
         where, data = _read_source(source)
         data = _map_deprecated(data, where)
+        if auto_values is not None and not isinstance(auto_values, Mapping):
+            raise ConfigError(
+                "auto_values must be a mapping of dotted keys to values, got "
+                f"{type(auto_values).__name__}."
+            )
         data = _resolve_auto(data, auto_values or {}, where, found)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}.")
@@ -861,49 +901,168 @@ def settings_without_effect(config: Config, *, model_parallel_world_size: int) -
 
 
 def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
-    """Return (message prefix, raw dict) for a path or mapping."""
+    """Return (message prefix, raw dict) for a path or mapping, checked by ``_checked``."""
     if isinstance(source, Mapping):
-        return "config: ", _to_plain(source)
+        return "config: ", _checked(source, "", "config: ")
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(
             f"config source must be a path, a dict or a Config, got {type(source).__name__}."
         )
     path = Path(source)
     where = f"config file '{path}': "
-    if not path.is_file():
-        raise ConfigError(f"{where}file not found; check the path.")
-    text = path.read_text(encoding="utf-8")
     suffix = path.suffix.lower()
-    if suffix in (".yaml", ".yml"):
-        try:
-            data = yaml.load(
-                text, Loader=_YamlLoader
-            )  # a SafeLoader subclass: no arbitrary objects
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or str(err)
-            raise ConfigError(f"{where}YAML parse error{line}: {problem}.") from None
-    elif suffix in (".json", ".hjson"):
-        try:
-            data = hjson.loads(text, object_pairs_hook=_mapping_from_pairs)
-        except hjson.HjsonDecodeError as err:
-            raise ConfigError(
-                f"{where}parse error at line {err.lineno}, column {err.colno}: {err.msg}."
-            ) from None
-    else:
+    if suffix not in (".json", ".hjson", ".yaml", ".yml"):
         raise ConfigError(f"{where}unknown file type '{suffix}'; use .json, .hjson, .yaml or .yml.")
+    data = _parse(_read_text(path, where), suffix, where)
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"{where}the top level must be a mapping of keys, got {type(data).__name__}."
         )
-    duplicate = _find_duplicate(data, "")
-    if duplicate is not None:
+    return where, _checked(data, "", where)
+
+
+def _read_text(path: Path, where: str) -> str:
+    """The file's text; a ConfigError for a directory, a missing file or bytes not UTF-8."""
+    try:
+        if path.is_dir():
+            raise ConfigError(f"{where}is a directory; give the path of the config file in it.")
+        if not path.exists():
+            raise ConfigError(f"{where}file not found; check the path.")
+        if not path.is_file():
+            raise ConfigError(f"{where}is not a regular file; give the path of a config file.")
+        raw = path.read_bytes()
+    except OSError as err:
         raise ConfigError(
-            f"{where}key '{duplicate}' is given more than once; keep one (the parser would "
-            "silently use the last value)."
+            f"{where}cannot be read ({err.strerror or err}); check the path and its permissions."
+        ) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(_not_utf8(raw, err.start, where)) from None
+
+
+def _not_utf8(raw: bytes, start: int, where: str) -> str:
+    """Name the line, column and byte offset of the first byte that is not UTF-8."""
+    line_start = raw.rfind(b"\n", 0, start) + 1
+    line = raw.count(b"\n", 0, start) + 1
+    column = len(raw[line_start:start].decode("utf-8")) + 1  # valid: the error is the first
+    bom = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+    why = " (it starts with a UTF-16 byte order mark)" if bom else ""
+    return (
+        f"{where}not UTF-8{why}: byte 0x{raw[start]:02x} at line {line}, column {column} "
+        f"(byte offset {start}) cannot be decoded. Save the file as UTF-8."
+    )
+
+
+def _parse(text: str, suffix: str, where: str) -> Any:
+    """Parse JSON / hjson / YAML text; every parser failure becomes a ConfigError."""
+    try:
+        if suffix in (".yaml", ".yml"):
+            return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no objects
+        return hjson.loads(text, object_pairs_hook=_mapping_from_pairs, parse_float=_hjson_float)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{where}YAML parse error{line}: {problem}.") from None
+    except hjson.HjsonDecodeError as err:
+        # hjson reads a bare word up to the end of the line, brackets included.
+        hint = ""
+        if re.search(r"[:,\[]\s*-?(Infinity|NaN)\b", text):
+            hint = " (Infinity and NaN are not accepted anywhere; write a finite number)"
+        raise ConfigError(
+            f"{where}parse error at line {err.lineno}, column {err.colno}: {err.msg}{hint}."
+        ) from None
+    except RecursionError:
+        raise ConfigError(_too_deep(where, "")) from None
+    except ValueError as err:
+        # int() of more than 4300 digits, or a YAML date that does not exist (2020-13-45).
+        reason = str(err).split(";")[0]
+        raise ConfigError(
+            f"{where}a value cannot be read: {reason}. Correct it (a number fits in 19 digits, "
+            "a YAML date must exist) or quote it to keep it as text."
+        ) from None
+
+
+class _OutOfRange(float):
+    """hjson's float for a literal beyond the float range, such as 1e400: infinity."""
+
+    # hjson turns integral floats below 1e10 into ints by testing int(value) == value, and
+    # int(inf) raises OverflowError. Here int() gives 0, so the test fails, the value stays
+    # infinity and _checked names its key like any other non-finite number.
+    def __int__(self) -> int:
+        return 0
+
+
+def _hjson_float(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else _OutOfRange(value)
+
+
+# [Note: what the checking walk refuses]
+# _checked copies the parsed data once, before anything else looks at it, and refuses:
+# - a key given twice in one mapping (see [Note: duplicate keys]);
+# - a key that is not a string (YAML reads unquoted 1, true, null as int, bool, None);
+# - nesting deeper than _MAX_DEPTH: every later step (deprecated names, "auto", pydantic,
+#   freezing) recurses, and a mapping that contains itself (a YAML alias, a dict built in
+#   Python) would recurse without end. DeepSpeed keys nest at most 3 levels deep;
+# - non-finite numbers anywhere, free-form blocks (optimizer.params, scheduler.params, the
+#   unsupported subsystems) included: an inf or NaN lr, momentum or loss scale does not fail,
+#   it silently ruins or skips every step. hjson reads JSON's Infinity / -Infinity / NaN as
+#   text, so those exact strings count as the numbers they spell.
+_MAX_DEPTH = 100
+_NON_FINITE_TEXT = ("Infinity", "-Infinity", "NaN")
+
+
+def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
+    """Deep copy into plain dicts and lists (never aliasing the input), checked as it goes.
+
+    ``key`` is the dotted key of ``node`` ("" for the top level), ``depth`` the number of
+    mappings and lists around it plus one. Raises ConfigError naming the key; see
+    [Note: what the checking walk refuses].
+    """
+    if isinstance(node, (Mapping, list, tuple)) and depth > _MAX_DEPTH:
+        raise ConfigError(_too_deep(where, key))
+    if isinstance(node, _Duplicated):
+        raise ConfigError(
+            f"{where}key '{_join(key, node.key)}' is given more than once; keep one (the "
+            "parser would silently use the last value)."
         )
-    return where, _to_plain(data)
+    if isinstance(node, Mapping):
+        for name in node:
+            if not isinstance(name, str):
+                raise ConfigError(
+                    f"{where}key {name!r} {f'in {key!r}' if key else 'at the top level'} is "
+                    f"not a string but {type(name).__name__}; quote it (YAML reads unquoted 1, "
+                    "true and null as a number, a boolean and null)."
+                )
+        return {k: _checked(v, _join(key, k), where, depth + 1) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_checked(v, _join(key, i), where, depth + 1) for i, v in enumerate(node)]
+    if (isinstance(node, float) and not math.isfinite(node)) or (
+        isinstance(node, str) and node in _NON_FINITE_TEXT
+    ):
+        raise ConfigError(
+            f"{where}invalid value for '{key}': {_show(node)}. Non-finite numbers (inf, -inf, "
+            "NaN) are refused everywhere in a config: an infinite or NaN learning rate, "
+            "momentum or loss scale ruins or skips every step. Write a finite number (a "
+            "literal beyond about 1.8e308, such as 1e400, also reads as infinity)."
+        )
+    return node
+
+
+def _join(key: str, part: Any) -> str:
+    return f"{key}.{part}" if key else str(part)
+
+
+def _too_deep(where: str, key: str) -> str:
+    parts = key.split(".")
+    at = f" at '{'.'.join(parts[:6])}{'...' if len(parts) > 6 else ''}'" if key else ""
+    return (
+        f"{where}values nest more than {_MAX_DEPTH} levels deep{at} (or a mapping contains "
+        "itself, e.g. through a YAML alias). DeepSpeed keys nest at most 3 levels "
+        "(zero_optimization.offload_optimizer.device); flatten or remove that value."
+    )
 
 
 # [Note: duplicate keys]
@@ -911,7 +1070,7 @@ def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
 # that sets train_micro_batch_size_per_gpu twice trains with whichever came last. The parsers
 # build each mapping bottom-up, before its parent exists, so they cannot know the dotted path;
 # instead a mapping with a repeated key is built as a _Duplicated dict remembering the key, and
-# _find_duplicate walks the finished tree to name it with its dotted path.
+# _checked names it with its dotted path as it walks the finished tree.
 
 
 class _Duplicated(dict):
@@ -930,23 +1089,6 @@ def _mapping_from_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
             return _Duplicated(pairs, key)
         seen.add(key)
     return dict(pairs)
-
-
-def _find_duplicate(node: Any, path: str) -> str | None:
-    """Dotted path of the first repeated key in a parsed tree, or None."""
-    if isinstance(node, _Duplicated):
-        return f"{path}.{node.key}" if path else str(node.key)
-    if isinstance(node, Mapping):
-        items: Any = node.items()
-    elif isinstance(node, list):
-        items = enumerate(node)
-    else:
-        return None
-    for key, value in items:
-        found = _find_duplicate(value, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
-    return None
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -981,15 +1123,6 @@ _YamlLoader.add_implicit_resolver(
     ),
     list("-+.0123456789"),
 )
-
-
-def _to_plain(value: Any) -> Any:
-    """Deep copy into plain dicts and lists (hjson returns OrderedDicts), never aliasing input."""
-    if isinstance(value, Mapping):
-        return {k: _to_plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
-    return value
 
 
 def _caller_stacklevel() -> int:
@@ -1069,6 +1202,13 @@ def _resolve_auto(
     """Replace "auto" values from ``auto_values``, the hidden size or the field defaults; fail on
     any left unresolved. Appends one line to ``notes`` naming the defaults taken, if any."""
     hidden = auto_values.get("hidden_size")
+    if hidden is not None and (
+        isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1
+    ):
+        raise ConfigError(
+            f"auto_values['hidden_size'] must be a positive int (the model's hidden size), "
+            f"got {hidden!r}."
+        )
     defaulted: dict[str, Any] = {}
 
     def fill(node: Any, key: str) -> Any:
@@ -1078,10 +1218,10 @@ def _resolve_auto(
             return [fill(v, f"{key}.{i}") for i, v in enumerate(node)]
         if not (isinstance(node, str) and node == _AUTO):
             return node
-        if key in auto_values:
-            return auto_values[key]
+        if key in auto_values:  # checked like the file's own values (an inf lr, say)
+            return _checked(auto_values[key], key, where, depth=key.count(".") + 2)
         if key in _FROM_HIDDEN_SIZE and hidden is not None:
-            return _FROM_HIDDEN_SIZE[key](int(hidden))
+            return _FROM_HIDDEN_SIZE[key](hidden)
         name = key.removeprefix("zero_optimization.")
         if key != name and name in _AUTO_TAKES_DEFAULT:
             defaulted[key] = ZeroConfig.model_fields[name].default
@@ -1191,11 +1331,13 @@ def _warn_unsupported(config: Config, where: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _show(value: Any) -> str:
+def _show(value: Any, limit: int = 200) -> str:
+    """``value`` as JSON (repr if it is not JSON), cut to ``limit`` characters."""
     try:
-        return json.dumps(_thaw(value))
+        text = json.dumps(_thaw(value))
     except (TypeError, ValueError):
-        return repr(value)
+        text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _walk(loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, FieldInfo | None]:

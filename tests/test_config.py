@@ -263,6 +263,262 @@ def test_bad_world_size():
         load_config(MICRO, world_size=0)
 
 
+# ---- what a bad config gets ------------------------------------------------------------------
+
+INF, NAN = float("inf"), float("nan")
+FINITE_FIX = "Write a finite number"
+
+
+def file_error(tmp_path, name: str, text: "str | bytes") -> str:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert name in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "extra, key, shown",
+    [
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": INF}}},
+            "optimizer.params.lr",
+            "Infinity",
+        ),
+        ({"optimizer": {"type": "AdamW", "params": {"weight_decay": NAN}}}, "weight_decay", "NaN"),
+        ({"optimizer": {"type": "SGD", "params": {"momentum": -INF}}}, "momentum", "-Infinity"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, NAN]}}}, "betas.1", "NaN"),
+        (
+            {"scheduler": {"type": "OneCycle", "params": {"gamma": INF}}},
+            "scheduler.params.gamma",
+            "",
+        ),
+        ({"fp16": {"enabled": True, "loss_scale": INF}}, "fp16.loss_scale", "Infinity"),
+        ({"fp16": {"enabled": True, "min_loss_scale": INF}}, "fp16.min_loss_scale", ""),
+        ({"gradient_clipping": INF}, "gradient_clipping", "Infinity"),
+        ({"flops_profiler": {"recompute_fwd_factor": INF}}, "recompute_fwd_factor", ""),
+        ({"amp": {"loss_scale": NAN}}, "amp.loss_scale", "NaN"),  # unsupported, free-form
+        ({"optimizer": {"type": "SGD", "params": {"lr": "NaN"}}}, "optimizer.params.lr", '"NaN"'),
+    ],
+)
+def test_non_finite_numbers_are_refused_everywhere(extra, key, shown):
+    message = error_of(extra)
+    assert "invalid value for '" in message and key in message
+    assert shown in message
+    assert FINITE_FIX in message
+
+
+@pytest.mark.parametrize(
+    "name, text, key",
+    [
+        ("c.yaml", "optimizer: {type: SGD, params: {lr: .inf}}\n", "optimizer.params.lr"),
+        ("c.yaml", "scheduler: {type: OneCycle, params: {gamma: .nan}}\n", "scheduler.params"),
+        ("c.yml", "fp16: {enabled: true, loss_scale: .Inf}\n", "fp16.loss_scale"),
+        ("c.json", '{"optimizer": {"type": "SGD", "params": {\n"lr": Infinity\n}}}', "params.lr"),
+        ("c.json", '{"optimizer": {"type": "SGD", "params": {\n"lr": NaN\n}}}', "params.lr"),
+        ("c.hjson", "{\noptimizer: {type: 'SGD', params: {\nmomentum: -Infinity\n}}}", "momentum"),
+        ("c.json", '{"zero_optimization": {"reduce_bucket_size": 1e400}}', "reduce_bucket_size"),
+        ("c.hjson", "{\nzero_optimization: {reduce_bucket_size: 1e400}\n}", "reduce_bucket_size"),
+        ("c.yaml", "zero_optimization: {reduce_bucket_size: 1e400}\n", "reduce_bucket_size"),
+        ("c.json", '{"optimizer": {"type": "SGD", "params": {"lr": -1e400}}}', "params.lr"),
+    ],
+)
+def test_non_finite_numbers_in_files_name_file_and_key(tmp_path, name, text, key):
+    if name.endswith((".yaml", ".yml")):
+        text = "train_micro_batch_size_per_gpu: 4\n" + text
+    else:
+        text = '{"train_micro_batch_size_per_gpu": 4,\n' + text[1:]
+    message = file_error(tmp_path, name, text)
+    assert key in message
+    assert FINITE_FIX in message
+
+
+def test_json_infinity_on_one_line_says_why_it_does_not_parse(tmp_path):
+    # hjson reads a bare word up to the end of the line, so the closing braces are lost.
+    text = (
+        '{"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": NaN}}}'
+    )
+    message = file_error(tmp_path, "c.json", text)
+    assert "line 1" in message
+    assert "Infinity and NaN are not accepted" in message
+
+
+def test_infinity_as_text_in_a_float_field_is_refused():
+    message = error_of({"fp16": {"enabled": True, "loss_scale": "inf"}})
+    assert "fp16.loss_scale" in message and "finite" in message
+
+
+@pytest.mark.parametrize("power, ok", [(63, True), (64, False), (2000, False)])
+def test_initial_scale_power_is_bounded(power, ok):
+    extra = {"fp16": {"enabled": True, "initial_scale_power": power}}
+    if ok:
+        assert load(extra).fp16.initial_scale_power == power
+    else:
+        message = error_of(extra)
+        assert "fp16.initial_scale_power" in message and "at most 63" in message
+        assert "65504" in message  # the description says why
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"train_micro_batch_size_per_gpu": 2**63}, "train_micro_batch_size_per_gpu"),
+        ({"zero_optimization": {"reduce_bucket_size": 10**100}}, "reduce_bucket_size"),
+        ({"zero_optimization": {"reduce_bucket_size": 1e300}}, "reduce_bucket_size"),
+        ({"fp16": {"loss_scale_window": 2**64}}, "fp16.loss_scale_window"),
+    ],
+)
+def test_counts_and_sizes_fit_in_int64(extra, key):
+    message = error_of(extra)
+    assert key in message and "2**63 - 1" in message
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"gradient_clipping": True}, "gradient_clipping"),
+        ({"fp16": {"enabled": True, "min_loss_scale": True}}, "fp16.min_loss_scale"),
+        ({"fp16": {"loss_scale": False}}, "fp16.loss_scale"),
+        ({"agreement_timeout": True}, "agreement_timeout"),
+    ],
+)
+def test_booleans_are_not_numbers(extra, key):
+    message = error_of(extra)
+    assert key in message and "not true or false" in message
+
+
+def test_largest_int64_size_loads():
+    config = load({"zero_optimization": {"reduce_bucket_size": 2**63 - 1}})
+    assert config.zero.reduce_bucket_size == 2**63 - 1
+
+
+def test_config_path_that_is_a_directory(tmp_path):
+    path = tmp_path / "conf.json"
+    path.mkdir()
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "conf.json" in str(info.value) and "is a directory" in str(info.value)
+
+
+def test_unreadable_path_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path / ("x" * 5000 + ".json"))  # name too long for the file system
+
+
+def nested(levels: int) -> object:
+    value: object = 1
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def test_nesting_limit_is_100_levels():
+    load({"amp": nested(99)})  # the top-level mapping is level 1, so 100 levels in all
+    message = error_of({"amp": nested(100)})
+    assert "more than 100 levels deep at 'amp.a.a.a.a.a...'" in message
+
+
+def test_mapping_that_contains_itself():
+    loop: dict = {}
+    loop["a"] = loop
+    assert "more than 100 levels deep" in error_of({"amp": loop})
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("deep.json", '{"amp": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"),
+        ("deep.json", '{"amp": {"a": ' + "[" * 5000 + "]" * 5000 + "}}"),
+        ("deep.hjson", "{amp: " + "{a: " * 5000 + "1" + "}" * 5000 + "}"),
+        ("deep.yaml", "amp: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n"),
+        ("deep.yaml", "amp: " + "[" * 1000 + "]" * 1000 + "\n"),  # PyYAML scans this slowly
+        ("deep.json", '{"amp": ' + '{"a": ' * 150 + "1" + "}" * 150 + "}"),  # past our walk only
+        ("loop.yaml", "amp: &loop {a: *loop}\n"),
+    ],
+)
+def test_deep_nesting_in_files_names_file_and_limit(tmp_path, name, text):
+    assert "more than 100 levels deep" in file_error(tmp_path, name, text)
+
+
+@pytest.mark.parametrize(
+    "name, raw, where",
+    [
+        (
+            "latin1.json",
+            b'{\n  "train_micro_batch_size_per_gpu": 4,\n  "wandb": {"project": "caf\xe9"}\n}',
+            "byte 0xe9 at line 3, column 28 (byte offset 68)",
+        ),
+        (  # the column counts characters: the e-acute before it is two bytes
+            "after_utf8.yaml",
+            b"train_micro_batch_size_per_gpu: 4\nwandb: {project: \xc3\xa9t\xe9}\n",
+            "byte 0xe9 at line 2, column 20 (byte offset 54)",
+        ),
+        ("utf16.json", '{"train_micro_batch_size_per_gpu": 4}'.encode("utf-16"), "UTF-16"),
+    ],
+)
+def test_file_not_utf8_names_file_line_and_byte(tmp_path, name, raw, where):
+    message = file_error(tmp_path, name, raw)
+    assert "not UTF-8" in message and where in message
+    assert "Save the file as UTF-8" in message
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("1: 2\n", "key 1 at the top level"),
+        ("~: 2\n", "key None at the top level"),
+        ("optimizer: {type: SGD, params: {true: 1}}\n", "key True in 'optimizer.params'"),
+        ("amp: {2020-01-01: 1}\n", "key datetime.date(2020, 1, 1) in 'amp'"),
+    ],
+)
+def test_yaml_keys_that_are_not_strings(tmp_path, text, key):
+    message = file_error(tmp_path, "c.yaml", "train_micro_batch_size_per_gpu: 4\n" + text)
+    assert key in message and "not a string" in message and "quote it" in message
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("c.json", '{"train_micro_batch_size_per_gpu": ' + "9" * 5000 + "}"),
+        ("c.yaml", "train_micro_batch_size_per_gpu: " + "9" * 5000 + "\n"),
+        ("c.yaml", "train_micro_batch_size_per_gpu: 4\nwandb: {project: 2020-13-45}\n"),
+    ],
+)
+def test_values_the_parser_cannot_build(tmp_path, name, text):
+    message = file_error(tmp_path, name, text)
+    assert "a value cannot be read" in message
+    assert "set_int_max_str_digits" not in message  # Python's advice, not a config fix
+
+
+def test_long_values_are_cut_in_messages():
+    message = error_of({"zero_optimization": {"reduce_bucket_size": "9" * 100_000}})
+    assert "zero_optimization.reduce_bucket_size" in message
+    assert len(message) < 1000 and "(100002 characters)" in message
+
+
+@pytest.mark.parametrize("hidden", ["768", 768.0, INF, 0, True])
+def test_bad_hidden_size_in_auto_values(hidden):
+    extra = {"zero_optimization": {"reduce_bucket_size": "auto"}}
+    message = error_of(extra, auto_values={"hidden_size": hidden})
+    assert "auto_values['hidden_size']" in message
+
+
+def test_auto_values_must_be_a_mapping():
+    with pytest.raises(ConfigError, match="auto_values must be a mapping"):
+        load({}, auto_values=[("optimizer.params.lr", 0.1)])
+
+
+def test_auto_filled_values_are_checked_too():
+    extra = {"optimizer": {"type": "SGD", "params": {"lr": "auto"}}}
+    message = error_of(extra, auto_values={"optimizer.params.lr": NAN})
+    assert "optimizer.params.lr" in message and FINITE_FIX in message
+
+
 # ---- unknown keys ----------------------------------------------------------------------------
 
 
