@@ -8,7 +8,8 @@ and takes one optimizer step, so Adam's exp_avg / exp_avg_sq exist. Rank 0 also 
 model as a plain torch module with torch.optim.AdamW and takes one step on the same batch. Then,
 contestants taking turns per repetition so drift of a shared machine hits them alike:
 
-- zero: engine.save_checkpoint (all ranks, a new tag per repetition) and engine.load_checkpoint;
+- zero: engine.save_checkpoint (all ranks, a new tag per repetition) and engine.load_checkpoint
+  (which checks the crc32 of every file it reads unless --no_verify_checksums);
 - torch: torch.save({"model": ..., "optimizer": ...}) from rank 0 (fsync'ed, as zero fsyncs its
   files) and torch.load + model.load_state_dict + optimizer.load_state_dict on rank 0.
 
@@ -17,8 +18,10 @@ peak extra memory (process RSS sampled by a psutil thread every --sample_ms, min
 before the call; also the anonymous part, RSS minus file-backed/shared pages, since safetensors
 reads through mmap and mapped file pages count in RSS). Loads run twice: with the files in the
 page cache (they were just written: optimistic) and after dropping the files' pages with
-posix_fadvise(DONTNEED) (the disk, or the host's cache on a VM). Finally the parent process
-times zero's consolidate() (zero-to-fp32) and save_consolidated() of the saved checkpoint.
+posix_fadvise(DONTNEED) (the disk, or the host's cache on a VM). The crc32 pass alone (what a
+save adds after writing a file, and a load before reading one) is timed on each rank's file,
+warm. Finally the parent process times zero's consolidate() (zero-to-fp32, which checks every
+file's crc32 too) and save_consolidated() of the saved checkpoint.
 
 Rank 0 / the parent prints a markdown table (the results land in docs/performance.md). This is a
 measurement script, not a test: nothing here asserts on time.
@@ -48,7 +51,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from zero_vs_ddp import free_port, init_rank  # noqa: E402
 
 import zero  # noqa: E402
-from zero.checkpoint import consolidate, save_consolidated  # noqa: E402
+from zero.checkpoint import consolidate, file_crc32, save_consolidated  # noqa: E402
 
 LR = 1e-4
 MB = 2**20
@@ -68,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dir", default=None, help="parent of the temporary checkpoint directory (default /tmp)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
+    parser.add_argument(
+        "--no_verify_checksums",
+        action="store_true",
+        help="load with checkpoint.verify_checksums false (and consolidate with verify=False)",
+    )
     return parser.parse_args(argv)
 
 
@@ -215,6 +223,7 @@ def build_engine(args):
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "zero_optimization": {"stage": 2},
+        "checkpoint": {"verify_checksums": not args.no_verify_checksums},
     }
     engine, _, _, _ = zero.initialize(model=build_model(args), config=config)
     x, y = batch(args)
@@ -299,6 +308,9 @@ def run_rank(args, root: str, rank: int) -> dict:
     runs = time_saves(engine, plain, paths, tags, period)
     runs.update(time_loads(engine, plain, paths, tags, period, cold=False))
     runs.update(time_loads(engine, plain, paths, tags, period, cold=True))
+    own_file = os.path.join(paths[0], tags[-1], f"rank{rank}.safetensors")
+    crc = partial(file_crc32, own_file)
+    runs["crc32"] = [measure(crc, period, barrier=True) for _ in tags]
     after = master_copy(engine)
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "load changed the weights"
     result = {name: summarize(samples) for name, samples in runs.items() if samples}
@@ -329,7 +341,7 @@ def run_consolidate(args, root: str) -> dict:
     held = {}
 
     def load():
-        held["state"] = consolidate(checkpoint)
+        held["state"] = consolidate(checkpoint, verify=not args.no_verify_checksums)
 
     loads, writes = [], []
     for _ in range(args.repeats):
@@ -383,6 +395,8 @@ def print_report(args, root: str, results: list[dict], merged: dict) -> None:
         f"module.safetensors; torch.save {mb(torch_bytes)} MiB in one file; consolidated fp32 "
         f"{mb(merged['bytes'])} MiB ({merged['tensors']} tensors, {merged['numel']:,} elements)"
     )
+    verify = "off (--no_verify_checksums)" if args.no_verify_checksums else "on"
+    print(f"crc32 verification on load and in consolidate(): {verify}")
     print(
         f"times: median of {args.repeats}, seconds; memory: peak over the repetitions of the "
         f"extra RSS (anonymous part) above the RSS before the call, MiB; values are per rank "
@@ -397,6 +411,7 @@ def print_report(args, root: str, results: list[dict], merged: dict) -> None:
         ("torch.save(model+optim sd)", "rank 0", "torch_save", torch_bytes),
         ("torch.load + load_state_dict, warm", "rank 0", "torch_load", torch_bytes),
         ("torch.load + load_state_dict, cold", "rank 0", "torch_load_cold", torch_bytes),
+        ("crc32 of the rank's own file, warm", "all ranks", "crc32", results[0]["rank_file_bytes"]),
     ]
     print(
         "| operation | who | bytes on disk MiB | time s | peak extra RSS MiB | of which anon MiB |"
@@ -419,7 +434,8 @@ def print_report(args, root: str, results: list[dict], merged: dict) -> None:
         )
     print()
     print("all timings (s) and VmHWM cross-check of the RSS peak (MiB):")
-    for key in ("zero_save", "zero_load", "zero_load_cold", "torch_save", "torch_load"):
+    keys = ("zero_save", "zero_load", "zero_load_cold", "torch_save", "torch_load", "crc32")
+    for key in keys:
         for rank, res in enumerate(results):
             if key in res:
                 times = ", ".join(f"{t:.2f}" for t in res[key]["all_s"])

@@ -4,7 +4,7 @@ Layout of one checkpoint, `save_dir/<tag>/`:
 
     meta.json               rank 0: format, config, world size, stage, parameter names/shapes,
                             the ranges each rank holds, counters, loss scaler, lr scheduler,
-                            optimizer hyper-parameters, client_state, file sizes
+                            optimizer hyper-parameters, client_state, file sizes and crc32s
     rank<r>.safetensors     rank r: its owned fp32 master weights and optimizer moments, one
                             1-D tensor per (param group, kind), plus its RNG state
     module.safetensors      rank 0: what ZeRO does not partition (frozen parameters, buffers)
@@ -19,20 +19,47 @@ element in the unpadded concatenation of the group's parameters. These coordinat
 on the world size or the bucket size, so a rank of a new run computes the ranges it owns, and
 reads exactly those elements from whichever old rank files hold them (safetensors slices).
 
-[Note: atomic save]
-Ranks write into `<tag>.tmp/`; success is agreed by an all-reduce; rank 0 then writes meta.json,
-renames the directory to `<tag>` and replaces `latest` through a rename. A crash at any point
-leaves the previous checkpoint and `latest` untouched.
+[Note: crash-safe publication]
+Ranks write into `<tag>.tmp/` (created afresh by rank 0; nothing is written through a symbolic
+link: stale paths are unlinked, never followed, and files are created with O_EXCL|O_NOFOLLOW).
+Each rank reads its file back once for its size and crc32, and rank 0 collects them into
+meta.json, written last. Publication is then a sequence of renames in save_dir:
+`<tag>` -> `<tag>.old` (only when the tag exists), `<tag>.tmp` -> `<tag>`, remove `<tag>.old`,
+then `latest.tmp` -> `latest`. At every point between two of these operations the tag `latest`
+names is a complete checkpoint, except right after the first rename, when `<tag>` is missing and
+`<tag>.old` holds its previous, complete version: `resolve` loads `<tag>.old` then, and the next
+save keeps it until a new `<tag>` is in place. Directories are fsynced after their renames.
+
+[Note: agreement on failure]
+Every step that may fail on one rank (checking inputs, rank 0 preparing the directory, writing
+files, rank 0 publishing; on load, verifying) runs through `_on_every_rank`: the ranks all-reduce
+a failure flag, and the lowest failing rank broadcasts its message, so every rank raises at the
+same point within one collective (none waits for a rank that gave up) and names the cause.
 """
 
+import contextlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
+import stat
+import zlib
 from collections.abc import Mapping
+from typing import Annotated
 
 import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -42,6 +69,12 @@ logger = logging.getLogger("zero")
 
 FORMAT = "zero-checkpoint/1"
 META, MODULE_FILE, LATEST = "meta.json", "module.safetensors", "latest"
+# File names are limited to 255 bytes (NAME_MAX); a save writes into `<tag>.tmp` first.
+MAX_TAG_BYTES = 255 - len(".tmp")
+_MESSAGE_BYTES = 1024  # how much of a failing rank's message the other ranks receive
+_CHUNK_BYTES = 4 << 20  # read size of the crc32 pass
+# What a checkpoint directory can hold (safetensors writes `.tmpXXXXXX` and renames it).
+_CHECKPOINT_ENTRY = re.compile(r"meta\.json|module\.safetensors|rank\d+\.safetensors|\.tmp\w+")
 
 
 class CheckpointError(ValueError):
@@ -85,80 +118,272 @@ def _sharded_state_keys(engine) -> list[str]:
     return sorted(keys)
 
 
+# ----- meta.json schema -----------------------------------------------------------------------
+# [Note: meta.json schema] Every key meta.json must have, with its JSON type; read_meta checks a
+# file against it before anything else reads it, so a damaged or hand-edited file is a
+# CheckpointError naming the key, never a KeyError or a failure halfway through a load. Checks
+# that need the running engine (the scheduler's keys, the param groups) are in _verify.
+_Number = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")]  # a rank or group
+_FileName = Annotated[
+    str, StringConstraints(pattern=r"^(module|rank(0|[1-9][0-9]*))\.safetensors$")
+]
+_Count = Annotated[int, Field(ge=0)]
+_Crc32 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{8}$")]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _SavedParam(_Schema):
+    name: str
+    shape: list[_Count]
+
+
+class _ScalarState(_Schema):
+    tensor: str | None  # "torch.float32" for a 0-dim tensor, None for a plain value
+    value: JsonValue
+
+    @model_validator(mode="after")
+    def _tensor_dtype(self):
+        if self.tensor is not None:
+            if _dtype(self.tensor) is None:
+                raise ValueError(f"tensor dtype {self.tensor!r} is not one such as 'torch.float32'")
+            if not isinstance(self.value, (int, float)):
+                raise ValueError(f"a tensor's value must be a number, not {self.value!r}")
+        return self
+
+
+class _Counters(_Schema):
+    global_steps: _Count
+    global_samples: _Count
+    skipped_steps: _Count
+    micro_steps: _Count
+
+
+class _LossScaler(_Schema):  # precision.LossScaler.state_dict()
+    scale: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    hysteresis_left: _Count
+    steps_since_change: _Count
+
+
+class _Meta(_Schema):
+    format: str
+    tag: str
+    config: dict[str, JsonValue]
+    world_size: Annotated[int, Field(ge=1)]
+    stage: Annotated[int, Field(ge=0, le=3)]
+    compute_dtype: str
+    groups: list[list[_SavedParam]]
+    ties: dict[str, str]
+    ranks: dict[
+        _Number, dict[_Number, list[Annotated[list[_Count], Field(min_length=2, max_length=2)]]]
+    ]
+    optimizer: str
+    sharded_state: list[str]
+    scalar_state: dict[_Number, dict[str, _ScalarState]]
+    param_groups: list[dict[str, JsonValue]]
+    counters: _Counters
+    loss_scaler: _LossScaler
+    lr_scheduler: dict[str, JsonValue] | None
+    python_rng: JsonValue
+    client_state: dict[str, JsonValue]
+    files: dict[_FileName, _Count]
+    crc32: dict[_FileName, _Crc32] | None = None  # absent in checkpoints of older versions
+
+    @field_validator("python_rng")
+    @classmethod
+    def _python_rng(cls, value):
+        try:
+            random.Random().setstate(_as_tuple(value))  # a scratch generator: nothing changes
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"not a state of Python's random module ({error})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        for rank, groups in self.ranks.items():
+            if int(rank) >= self.world_size:
+                raise ValueError(f"'ranks' has rank {rank}, but world_size is {self.world_size}")
+            if rank_file(int(rank)) not in self.files:
+                raise ValueError(f"'files' lacks {rank_file(int(rank))}, which 'ranks' lists")
+            for group, ranges in groups.items():
+                if int(group) >= len(self.groups):
+                    raise ValueError(f"'ranks.{rank}' has group {group}, 'groups' has fewer")
+                if any(lo > hi for lo, hi in ranges):
+                    raise ValueError(
+                        f"'ranks.{rank}.{group}' has a range [begin, end) with end < begin"
+                    )
+        if MODULE_FILE not in self.files:
+            raise ValueError(f"'files' lacks {MODULE_FILE}")
+        if self.crc32 is not None and set(self.crc32) != set(self.files):
+            raise ValueError("'crc32' must list exactly the files of 'files'")
+        return self
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    """The torch dtype written as str(dtype) ("torch.float32"), or None."""
+    value = getattr(torch, name[len("torch.") :], None) if name.startswith("torch.") else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _schema_error(meta_path: str, error: ValidationError) -> CheckpointError:
+    problems = []
+    for item in error.errors()[:3]:
+        key = ".".join(str(part) for part in item["loc"])
+        problems.append(f"key '{key}': {item['msg']}" if key else item["msg"])
+    more = f" (and {error.error_count() - 3} more)" if error.error_count() > 3 else ""
+    return CheckpointError(f"{meta_path}: {'; '.join(problems)}{more}")
+
+
 # ----- save -----------------------------------------------------------------------------------
 def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_latest: bool) -> str:
-    """Write a checkpoint; see Engine.save_checkpoint. Returns the checkpoint directory."""
+    """Write a checkpoint; see Engine.save_checkpoint. Returns the checkpoint directory.
+
+    Collective. Raises CheckpointError on every rank (before anything is written) for a bad tag
+    or client_state, and on every rank when any rank fails to write (the failing rank raises
+    its own error); the previous checkpoint and `latest` stay as they were then.
+    """
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    _check_json(client_state, "client_state")
+    scheduler_state = _on_every_rank(
+        engine,
+        "check the checkpoint tag and state",
+        lambda: _check_inputs(engine, tag, client_state),
+    )
     tag = _agree_on_tag(engine, tag)
-    scheduler_state = _scheduler_state(engine)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    if engine.comm.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    engine.comm.barrier()
-    # Stage 3 partitions frozen parameters too: rank 0 gathers them for module.safetensors.
-    frozen = engine.frozen.full_values() if engine.frozen is not None else {}
-    _on_every_rank(engine, f"write {tmp}", lambda: _write_files(engine, tmp, frozen))
-    if engine.comm.rank == 0:
-        meta = _meta(engine, tag, dict(client_state), scheduler_state, tmp)
-        _write_json(os.path.join(tmp, META), meta)
-        _publish(tmp, final)
-        if save_latest:
-            _write_text_atomic(os.path.join(save_dir, LATEST), tag)
-    engine.comm.barrier()
+    _on_rank_0(engine, f"prepare {tmp}", lambda: _prepare(save_dir, tag))
+    try:
+        # Stage 3 partitions frozen parameters too: rank 0 gathers them for module.safetensors.
+        frozen = engine.frozen.full_values() if engine.frozen is not None else {}
+        written = _on_every_rank(engine, f"write {tmp}", lambda: _write_files(engine, tmp, frozen))
+        files, crcs = _gather_files(engine, written)
+
+        def publish():
+            meta = _meta(engine, tag, dict(client_state), scheduler_state, files, crcs)
+            _finish(meta, save_dir, tag, save_latest)
+
+        _on_rank_0(engine, f"publish {final}", publish)
+    except Exception:
+        if engine.comm.rank == 0:
+            with contextlib.suppress(OSError):
+                _remove(tmp)  # the next save would remove it too
+        raise
     return final
 
 
+def _check_inputs(engine, tag, client_state: Mapping):
+    """This rank's checks before anything is written; returns the lr scheduler's state."""
+    _check_tag(tag)
+    _check_json(client_state, "client_state")
+    return _scheduler_state(engine)
+
+
+def _finish(meta: dict, save_dir: str, tag: str, save_latest: bool) -> None:
+    """Rank 0: meta.json last, then publication ([Note: crash-safe publication])."""
+    tmp = os.path.join(save_dir, tag + ".tmp")
+    _create_json(os.path.join(tmp, META), meta)
+    _fsync_dir(tmp)
+    _publish(tmp, os.path.join(save_dir, tag))
+    if save_latest:
+        _write_text_atomic(os.path.join(save_dir, LATEST), tag)
+
+
 def _on_every_rank(engine, what: str, action):
-    """Run action() on every rank; when it fails on any rank, every rank raises, so no rank
-    goes on to a collective the failed one will never join. Collective."""
-    failed = torch.zeros(1)
+    """Run action() on every rank and agree on the outcome ([Note: agreement on failure]): when
+    it raises on any rank, the failing rank re-raises its error and every other rank raises
+    CheckpointError carrying the lowest failing rank's message. Collective."""
+    error = None
     try:
         result = action()
-    except Exception:
-        failed += 1
-        engine.comm.all_reduce(failed, op="max")
-        raise
+    except Exception as caught:
+        error, result = caught, None
+    failed = torch.zeros(engine.comm.world_size, device=engine.device)
+    failed[engine.comm.rank] = float(error is not None)
     engine.comm.all_reduce(failed, op="max")
-    if failed.item():
-        raise CheckpointError(
-            f"rank {engine.comm.rank}: another rank failed to {what}; see its error"
-        )
-    return result
+    if not failed.any():
+        return result
+    first = int(failed.nonzero()[0])
+    text = f"{type(error).__name__}: {error}" if error is not None else ""
+    message = _share_text(engine, text, first)
+    if error is not None:
+        raise error
+    raise CheckpointError(f"rank {engine.comm.rank}: rank {first} failed to {what}: {message}")
 
 
-def _write_files(engine, directory: str, frozen: dict) -> None:
-    _write_rank_file(engine, directory)
+def _on_rank_0(engine, what: str, action):
+    return _on_every_rank(engine, what, lambda: action() if engine.comm.rank == 0 else None)
+
+
+def _share_text(engine, text: str, src: int) -> str:
+    """Rank src's `text` (its first _MESSAGE_BYTES bytes in UTF-8) on every rank. Collective."""
+    buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    raw = text.encode("utf-8", "replace")[:_MESSAGE_BYTES]
+    if engine.comm.rank == src and raw:
+        buffer[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    buffer = buffer.to(engine.device)
+    engine.comm.broadcast(buffer, src=src)
+    return bytes(buffer.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
+
+
+def _gather_files(engine, written: dict) -> tuple[dict, dict]:
+    """(name -> size in bytes, name -> crc32) of every rank's files, from the (size, crc32)
+    each rank measured of the files it wrote; complete on rank 0. Collective."""
+    rank = engine.comm.rank
+    table = torch.zeros(engine.comm.world_size, 4, dtype=torch.int64)
+    for column, name in enumerate((rank_file(rank), MODULE_FILE)):
+        if name in written:
+            size, crc = written[name]
+            table[rank, 2 * column : 2 * column + 2] = torch.tensor([size, int(crc, 16)])
+    table = table.to(engine.device)
+    engine.comm.all_reduce(table)
+    files, crcs = {}, {}
+    for r, (size, crc, module_size, module_crc) in enumerate(table.tolist()):
+        files[rank_file(r)], crcs[rank_file(r)] = size, f"{crc:08x}"
+        if r == 0:
+            files[MODULE_FILE], crcs[MODULE_FILE] = module_size, f"{module_crc:08x}"
+    return files, crcs
+
+
+def _write_files(engine, directory: str, frozen: dict) -> dict:
+    written = {rank_file(engine.comm.rank): _write_rank_file(engine, directory)}
     if engine.comm.rank == 0:
-        _write_module_file(engine, directory, frozen)
+        written[MODULE_FILE] = _write_module_file(engine, directory, frozen)
+    return written
 
 
-def _check_tag(tag: str) -> None:
-    """A tag is a plain directory name that cannot collide with zero's own files."""
+def _check_tag(tag) -> None:
+    """A tag is a plain directory name that cannot collide with zero's own files and leaves
+    room for the '.tmp' suffix within the 255-byte file-name limit."""
+    if not isinstance(tag, str):
+        raise CheckpointError(f"checkpoint tag {tag!r} is a {type(tag).__name__}, not a str")
     reserved = tag in (".", "..", LATEST) or tag.endswith((".tmp", ".old"))
-    if not tag or reserved or "/" in tag or os.sep in tag:
+    if not tag or reserved or "/" in tag or os.sep in tag or "\0" in tag:
         raise CheckpointError(
             f"checkpoint tag {tag!r} is not a plain directory name (no '/', not '.', '..' or "
             f"'{LATEST}', not ending in '.tmp' or '.old')"
+        )
+    try:
+        size = len(tag.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise CheckpointError(f"checkpoint tag {tag!r} is not encodable as UTF-8") from None
+    if size > MAX_TAG_BYTES:
+        raise CheckpointError(
+            f"checkpoint tag {tag[:32]!r}... is {size} bytes long in UTF-8; at most "
+            f"{MAX_TAG_BYTES} are allowed (file names have at most 255 bytes and a save adds "
+            "'.tmp'); pass a shorter tag"
         )
 
 
 def _agree_on_tag(engine, tag: str) -> str:
     """Every rank saves under rank 0's tag. A rank whose own tag differs is reported as
     checkpoint.tag_validation says: Warn (log, go on), Fail (CheckpointError on every rank) or
-    Ignore. Raises CheckpointError for a tag that is not a plain directory name."""
-    _check_tag(tag)
+    Ignore. Every rank's tag has passed _check_tag. Collective."""
     if engine.comm.world_size == 1:
         return tag
-    encoded = torch.zeros(256, dtype=torch.uint8)
-    raw = tag.encode()[:256]
-    encoded[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    engine.comm.broadcast(encoded, src=0)
-    chosen = bytes(encoded[encoded != 0].tolist()).decode()
-    differs = torch.tensor([float(chosen != tag)])
+    chosen = _share_text(engine, tag, src=0)  # a checked tag fits the message buffer whole
+    differs = torch.tensor([float(chosen != tag)], device=engine.device)
     engine.comm.all_reduce(differs, op="max")
     mode = engine.config.checkpoint.tag_validation
     if differs.item() and mode != "Ignore":
@@ -217,7 +442,7 @@ def _scheduler_state(engine):
     return state
 
 
-def _write_rank_file(engine, directory: str) -> None:
+def _write_rank_file(engine, directory: str) -> tuple[int, str]:
     tensors = {"rng.torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["rng.torch_cuda"] = torch.cuda.get_rng_state()
@@ -234,10 +459,10 @@ def _write_rank_file(engine, directory: str) -> None:
                 for kind in kinds:
                     value = state[bucket.master][kind][: hi - lo]
                     tensors[f"group{group}.{kind}.{index}"] = value.float().cpu()
-    _save_safetensors(tensors, os.path.join(directory, rank_file(engine.comm.rank)))
+    return _write_shard(tensors, os.path.join(directory, rank_file(engine.comm.rank)))
 
 
-def _write_module_file(engine, directory: str, frozen: dict) -> None:
+def _write_module_file(engine, directory: str, frozen: dict) -> tuple[int, str]:
     """module.safetensors: frozen and empty parameters and buffers; `frozen` maps id(param) to
     the full value of a stage-3 partitioned frozen parameter."""
     laid_out = _laid_out_ids(engine)
@@ -247,7 +472,7 @@ def _write_module_file(engine, directory: str, frozen: dict) -> None:
             continue
         seen.add(id(tensor))
         tensors[name] = frozen.get(id(tensor), tensor).detach().cpu().contiguous()
-    _save_safetensors(tensors, os.path.join(directory, MODULE_FILE))
+    return _write_shard(tensors, os.path.join(directory, MODULE_FILE))
 
 
 def _module_tensors(module):
@@ -255,16 +480,59 @@ def _module_tensors(module):
     yield from module.named_buffers(remove_duplicate=False)
 
 
-def _save_safetensors(tensors: dict, path: str) -> None:
+def _write_shard(tensors: dict, path: str) -> tuple[int, str]:
+    """Write a checkpoint's safetensors file; returns its (size in bytes, crc32)."""
+    os.close(_create(path))  # claims the name; fails on anything already there, links included
     save_file(tensors, path)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # as any file the user creates (safetensors writes 0600)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as any file the user creates (safetensors: 0600)
+        os.fsync(fd)
+        return os.fstat(fd).st_size, _crc32(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_safetensors(tensors: dict, path: str) -> None:
+    """Write a consolidated output file (a path the user chose; an existing file is replaced)."""
+    save_file(tensors, path)
+    os.chmod(path, 0o666 & ~_umask())
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
 
 
-def _meta(engine, tag: str, client_state: dict, scheduler_state, directory: str) -> dict:
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _create(path: str) -> int:
+    """A new file's descriptor (write-only); never opens an existing file or follows a link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(path, flags, 0o666)
+
+
+def _crc32(fd: int) -> str:
+    """crc32 (zlib.crc32, the CRC-32 of zip and gzip) of the file open as `fd`, 8 hex digits."""
+    crc, buffer = 0, bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    os.lseek(fd, 0, os.SEEK_SET)
+    while count := os.readv(fd, [buffer]):
+        crc = zlib.crc32(view[:count], crc)
+    return f"{crc:08x}"
+
+
+def file_crc32(path: str) -> str:
+    """crc32 of a file as 8 hex digits, as meta.json records it (read in 4 MiB chunks)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _crc32(fd)
+    finally:
+        os.close(fd)
+
+
+def _meta(engine, tag: str, client_state: dict, scheduler_state, files: dict, crcs: dict) -> dict:
     optimizer = engine.optimizer.optimizer
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     ranks = {}
@@ -303,7 +571,8 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, directory: str)
         "lr_scheduler": scheduler_state,
         "python_rng": _jsonable(random.getstate()),
         "client_state": client_state,
-        "files": {f: os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)},
+        "files": files,
+        "crc32": crcs,
     }
 
 
@@ -347,6 +616,13 @@ def _jsonable(value):
     return value
 
 
+def _create_json(path: str, value) -> None:
+    with os.fdopen(_create(path), "w") as handle:
+        json.dump(value, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def _write_json(path: str, value) -> None:
     with open(path, "w") as handle:
         json.dump(value, handle, indent=1)
@@ -356,27 +632,93 @@ def _write_json(path: str, value) -> None:
 
 def _write_text_atomic(path: str, text: str) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
+    _remove_leftover(tmp)
+    with os.fdopen(_create(tmp), "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prepare(save_dir: str, tag: str) -> None:
+    """Rank 0: remove what interrupted saves left in save_dir, and create `<tag>.tmp/`."""
+    os.makedirs(save_dir, exist_ok=True)
+    _remove_stale(save_dir, tag)
+    os.mkdir(os.path.join(save_dir, tag + ".tmp"))
+
+
+def _remove_stale(save_dir: str, tag: str) -> None:
+    """Remove `<tag>.tmp` whatever it is, and what interrupted saves of other tags left:
+    `<other>.tmp/`, and `<other>.old/` where `<other>` exists, when they are directories
+    holding only checkpoint files (anything else there is left alone)."""
+    with os.scandir(save_dir) as entries:
+        names = sorted(entry.name for entry in entries)
+    for name in names:
+        path = os.path.join(save_dir, name)
+        if name == tag + ".tmp" or _is_stale(save_dir, name):
+            _remove_leftover(path)
+
+
+def _is_stale(save_dir: str, name: str) -> bool:
+    path = os.path.join(save_dir, name)
+    if name.endswith(".tmp"):
+        return _holds_only_checkpoint_files(path)
+    if name.endswith(".old"):
+        return os.path.isdir(path[: -len(".old")]) and _holds_only_checkpoint_files(path)
+    return False
+
+
+def _holds_only_checkpoint_files(path: str) -> bool:
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        return all(_CHECKPOINT_ENTRY.fullmatch(name) for name in os.listdir(path))
+    except OSError:
+        return False
+
+
+def _remove_leftover(path: str) -> None:
+    if os.path.lexists(path):
+        logger.warning("rank 0: removing %s, left behind by an interrupted save", path)
+        _remove(path)
+
+
+def _remove(path: str) -> None:
+    """Remove a file, link or directory tree, if there is one, without following links (a link
+    to a directory is unlinked; rmtree never descends through links)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _publish(tmp: str, final: str) -> None:
-    """Move the finished directory into place; an existing checkpoint of the same tag is replaced
-    only after the new one is complete."""
+    """Move the finished directory into place ([Note: crash-safe publication]): an existing
+    checkpoint of the same tag becomes `<tag>.old` until the new one is in place."""
     old = final + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
+    if os.path.lexists(final):
+        _remove(old)  # left by an interrupted save after `<tag>` was complete again
         os.replace(final, old)
+    # else: a `<tag>.old` left by an interrupted save is the only copy of the tag; kept.
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    dir_fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+    _fsync_dir(os.path.dirname(final))
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        _remove(old)
+    except OSError as error:
+        logger.warning("rank 0: could not remove %s (%s); the next save removes it", old, error)
 
 
 # ----- load -----------------------------------------------------------------------------------
@@ -390,21 +732,38 @@ def resolve(load_dir: str, tag: str | None) -> str:
             tag = handle.read().strip()
     _check_tag(tag)
     path = os.path.join(load_dir, tag)
-    if not os.path.isfile(os.path.join(path, META)):
-        raise CheckpointError(f"{os.path.join(path, META)} does not exist: not a zero checkpoint")
-    return path
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    old = path + ".old"
+    if not os.path.lexists(path) and os.path.isfile(os.path.join(old, META)):
+        # [Note: crash-safe publication]: a save of this tag stopped between its two renames.
+        logger.warning(
+            "%s is missing and %s holds its previous version (a save of this tag was "
+            "interrupted); loading that",
+            path,
+            old,
+        )
+        return old
+    raise CheckpointError(f"{os.path.join(path, META)} does not exist: not a zero checkpoint")
 
 
 def read_meta(path: str) -> dict:
-    """Read and verify meta.json and the presence and size of every file it lists."""
+    """Read meta.json, check it against the schema ([Note: meta.json schema]), and check the
+    presence and size of every file it lists. Raises CheckpointError naming the file and key."""
     meta_path = os.path.join(path, META)
     try:
-        with open(meta_path) as handle:
-            meta = json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
+        with open(meta_path, "rb") as handle:
+            text = handle.read().decode("utf-8")
+        meta = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{meta_path}: unreadable ({error})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {found!r}, expected {FORMAT!r}")
+    try:
+        _Meta.model_validate_json(text)
+    except ValidationError as error:
+        raise _schema_error(meta_path, error) from None
     for name, size in meta["files"].items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -438,9 +797,15 @@ class GroupReader:
                     self.pieces.setdefault(group, []).append((lo, hi, index, rank_file(int(rank))))
         self._handles: dict[str, object] = {}
 
+    def files(self, group: int, begin: int, end: int) -> set[str]:
+        """The rank files holding elements [begin, end) of a group (for any state kind)."""
+        pieces = self.pieces.get(str(group), [])
+        return {file for lo, hi, _, file in pieces if max(lo, begin) < min(hi, end)}
+
     def _overlaps(self, group: int, kind: str, begin: int, end: int):
         """(a, b, piece_lo, file, key) for each saved piece overlapping [begin, end); raises
-        CheckpointError when a tensor is missing, has the wrong size, or elements are uncovered."""
+        CheckpointError when a tensor is missing, is not fp32 of the right size, or elements
+        are uncovered."""
         covered, out = 0, []
         for lo, hi, index, file in self.pieces.get(str(group), []):
             a, b = max(lo, begin), min(hi, end)
@@ -448,10 +813,12 @@ class GroupReader:
                 continue
             key = f"group{group}.{kind}.{index}"
             handle = self._handle(file)
-            if key not in handle.keys() or handle.get_slice(key).get_shape() != [hi - lo]:
+            saved = handle.get_slice(key) if key in handle.keys() else None
+            if saved is None or (saved.get_dtype(), saved.get_shape()) != ("F32", [hi - lo]):
+                found = "missing" if saved is None else f"{saved.get_dtype()} {saved.get_shape()}"
                 raise CheckpointError(
-                    f"{os.path.join(self.path, file)}: tensor '{key}' is missing or not of "
-                    f"{hi - lo} elements"
+                    f"{os.path.join(self.path, file)}: tensor '{key}' is {found}, expected F32 "
+                    f"[{hi - lo}]"
                 )
             out.append((a, b, lo, file, key))
             covered += b - a
@@ -521,12 +888,12 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
     """Read a checkpoint into the engine; see Engine.load_checkpoint. Everything is verified on
     every rank (and the ranks agree on it) before any engine state changes."""
     load_optimizer = load_optimizer and not module_only
-    path, meta, reader, owned, kinds, module_values = _on_every_rank(
+    load_scheduler = load_scheduler and not module_only
+    path, meta, reader, owned, kinds, module_values, rng = _on_every_rank(
         engine,
         f"verify the checkpoint in {load_dir}",
-        lambda: _verify(engine, load_dir, tag, strict, load_optimizer),
+        lambda: _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler),
     )
-    rng = _read_rng(path, meta, engine.comm.rank)
     # Verified: from here on state changes. Values are read straight into their destinations.
     with torch.no_grad():
         _read_shards(engine, meta, reader, owned, kinds, load_optimizer)
@@ -546,10 +913,24 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
     return path, meta["client_state"]
 
 
-def _verify(engine, load_dir, tag, strict, load_optimizer):
-    """Resolve, read metadata, and check every file, key and range this rank will read."""
+def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
+    """Resolve, read metadata, and check every file, key, range and value this rank will read
+    or apply: meta.json against its schema, the size and crc32 of every file this rank reads
+    (before it opens them), each tensor's dtype and shape, the training state's keys."""
     path = resolve(load_dir, tag)
     meta = read_meta(path)
+    reader = GroupReader(path, meta)
+    shard = engine.optimizer.layout.shard_of(engine.comm.rank)
+    owned = [
+        (group, lo, hi, bucket)
+        for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items()
+        for lo, hi, bucket in ranges
+    ]
+    if engine.config.checkpoint.verify_checksums:
+        files = {MODULE_FILE} | {f for g, lo, hi, _ in owned for f in reader.files(g, lo, hi)}
+        if str(engine.comm.rank) in meta["ranks"]:
+            files.add(rank_file(engine.comm.rank))  # its RNG state
+        verify_checksums(path, meta, files)
     laid_out = _laid_out_ids(engine)
     module_values, module_problems = _read_module_file(path, engine, laid_out, strict)
     problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)] + module_problems
@@ -561,19 +942,92 @@ def _verify(engine, load_dir, tag, strict, load_optimizer):
             f"{os.path.join(path, META)}: optimizer {meta['optimizer']!r} was saved, this run uses "
             f"{current!r}; pass load_optimizer_states=False to load the weights only"
         )
+    problems = _training_state_problems(meta, engine, load_optimizer, load_scheduler)
+    if problems:
+        raise CheckpointError(f"{os.path.join(path, META)}: {'; '.join(problems)}")
     kinds = ["master"] + (meta["sharded_state"] if load_optimizer else [])
-    reader = GroupReader(path, meta)
-    shard = engine.optimizer.layout.shard_of(engine.comm.rank)
-    owned = [
-        (group, lo, hi, bucket)
-        for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items()
-        for lo, hi, bucket in ranges
-    ]
     for group, lo, hi, _ in owned:
         for kind in kinds:
             reader.check(group, kind, lo, hi)
-    _read_rng(path, meta, engine.comm.rank)
-    return path, meta, reader, owned, kinds, module_values
+    rng = _read_rng(path, meta, engine.comm.rank)
+    return path, meta, reader, owned, kinds, module_values, rng
+
+
+def verify_checksums(path: str, meta: dict, names) -> None:
+    """Check the crc32 meta.json records for each file in `names` (none are recorded in
+    checkpoints of zero versions before checksums: nothing to check). Raises CheckpointError
+    naming the file. Reads each file once, in 4 MiB chunks."""
+    recorded = meta.get("crc32")
+    if recorded is None:
+        return
+    for name in sorted(names):
+        file = os.path.join(path, name)
+        found = file_crc32(file)
+        if found != recorded[name]:
+            raise CheckpointError(
+                f"{file}: crc32 {found}, but {META} recorded {recorded[name]}: the file's bytes "
+                "changed after it was saved (storage or copy corruption); restore it, or load "
+                "another checkpoint"
+            )
+
+
+def _training_state_problems(meta, engine, load_optimizer: bool, load_scheduler: bool) -> list:
+    """What in the saved param groups and lr scheduler state this run could not apply."""
+    problems = []
+    if load_optimizer:
+        saved, current = meta["param_groups"], engine.optimizer.param_groups
+        if len(saved) != len(current):
+            problems.append(
+                f"key 'param_groups' has {len(saved)} groups, the optimizer {len(current)}"
+            )
+        for index, (group, now) in enumerate(zip(saved, current)):
+            now = _jsonable({k: v for k, v in now.items() if k != "params" and k in group})
+            problems += _kind_problems(group, now, f"param_groups.{index}")
+    scheduler = engine.lr_scheduler
+    if load_scheduler and scheduler is not None and meta["lr_scheduler"] is not None:
+        now = _jsonable(scheduler.state_dict())
+        problems += [
+            f"{p} ({type(scheduler).__name__}'s state; pass load_lr_scheduler_states=False to "
+            "keep this run's schedule)"
+            for p in _kind_problems(meta["lr_scheduler"], now, "lr_scheduler")
+        ]
+    return problems
+
+
+_JSON_KINDS = {bool: "a bool", int: "a number", float: "a number", str: "a string"}
+
+
+def _json_kind(value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _kind_problems(saved, current, key: str) -> list[str]:
+    """Where `saved` (from JSON) differs in kind from `current` (this run's value, as JSON): a
+    string for a number, a list of another length, an object lacking a key of this run's.
+    None on either side matches anything."""
+    kind = _json_kind(current)
+    if kind is None or saved is None:
+        return []
+    if _json_kind(saved) != kind:
+        return [f"key '{key}' is {saved!r}, this run has {kind} ({current!r})"]
+    if kind == "a list":
+        if len(saved) != len(current):
+            return [f"key '{key}' has {len(saved)} entries, this run {len(current)}"]
+        pairs = [(f"{key}.{i}", s, c) for i, (s, c) in enumerate(zip(saved, current))]
+    elif kind == "an object":
+        missing = sorted(set(current) - set(saved))
+        if missing:
+            return [f"key '{key}' lacks {missing}"]
+        pairs = [(f"{key}.{k}", saved[k], c) for k, c in current.items()]
+    else:
+        return []
+    return [p for where, s, c in pairs for p in _kind_problems(s, c, where)]
 
 
 def optimizer_name(optimizer) -> str:
@@ -610,16 +1064,49 @@ def _read_module_file(path: str, engine, laid_out: set[int], strict: bool):
     problems = _differences(saved, {n: _full_shape(engine, t) for n, t in targets.items()})
     if not strict:
         problems = [p for p in problems if "shape" in p]
+    for name, tensor in targets.items():
+        dtype = handle.get_slice(name).get_dtype() if name in saved else None
+        if dtype is not None and not _dtype_fits(dtype, tensor.dtype):
+            problems.append(f"'{name}' is {dtype} in the checkpoint, {tensor.dtype} in the model")
     values = [
         (tensor, handle.get_tensor(name)) for name, tensor in targets.items() if name in saved
     ]
     return values, [f"{MODULE_FILE}: {p}" for p in problems]
 
 
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_OTHER_DTYPES = {
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _dtype_fits(saved: str, dtype: torch.dtype) -> bool:
+    """A saved tensor of safetensors dtype `saved` may be copied into one of `dtype`: floating
+    point into floating point (a run may change its compute dtype), anything else unchanged."""
+    if dtype.is_floating_point:
+        return saved in _FLOAT_DTYPES
+    return _OTHER_DTYPES.get(dtype) == saved
+
+
 def _read_rng(path, meta, rank):
+    """This rank's saved torch CPU generator state, checked (None when rank saved none)."""
     if str(rank) not in meta["ranks"]:
         return None
-    return _open(path, rank_file(rank)).get_tensor("rng.torch_cpu")
+    handle, key = _open(path, rank_file(rank)), "rng.torch_cpu"
+    expected = list(torch.get_rng_state().shape)
+    saved = handle.get_slice(key) if key in handle.keys() else None
+    if saved is None or (saved.get_dtype(), saved.get_shape()) != ("U8", expected):
+        found = "missing" if saved is None else f"{saved.get_dtype()} {saved.get_shape()}"
+        raise CheckpointError(
+            f"{os.path.join(path, rank_file(rank))}: tensor '{key}' is {found}, expected U8 "
+            f"{expected}"
+        )
+    return handle.get_tensor(key)
 
 
 def _as_tuple(value):
@@ -642,7 +1129,7 @@ def _read_shards(engine, meta, reader, owned, kinds, load_optimizer: bool) -> No
             for key, item in meta["scalar_state"].get(str(group), {}).items():
                 value = item["value"]
                 if item["tensor"]:
-                    value = torch.tensor(value, dtype=getattr(torch, item["tensor"][6:]))
+                    value = torch.tensor(value, dtype=_dtype(item["tensor"]))
                 state.setdefault(bucket.master, {})[key] = value
 
 
@@ -661,18 +1148,24 @@ def _apply_training_state(engine, meta, load_optimizer: bool, load_scheduler: bo
         engine.scaler.load_state_dict(meta["loss_scaler"])
     if load_scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    for key, value in meta["counters"].items():
-        setattr(engine, key, value)
+    counters = meta["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.skipped_steps = counters["skipped_steps"]
+    engine.micro_steps = counters["micro_steps"]
 
 
 # ----- consolidation --------------------------------------------------------------------------
-def consolidate(checkpoint_dir: str, tag: str | None = None, state: str = "master") -> dict:
+def consolidate(
+    checkpoint_dir: str, tag: str | None = None, state: str = "master", verify: bool = True
+) -> dict:
     """Full fp32 state dict of a checkpoint, in one process, without the original world size.
 
     Args:
         checkpoint_dir: a save_dir (its `latest` is followed) or a checkpoint directory itself.
         state: "master" for the weights, or an optimizer state kind such as "exp_avg" (then only
             trained parameters are returned).
+        verify: check every file's crc32 recorded in meta.json first (one extra read).
 
     Returns name -> tensor for every parameter and buffer of the model (tied names included, as
     equal copies), with padding removed; master weights are bitwise the saved fp32 values;
@@ -683,6 +1176,8 @@ def consolidate(checkpoint_dir: str, tag: str | None = None, state: str = "maste
     else:
         path = resolve(checkpoint_dir, tag)
     meta = read_meta(path)
+    if verify:
+        verify_checksums(path, meta, meta["files"])
     reader = GroupReader(path, meta)
     out = {}
     for group, params in enumerate(meta["groups"]):
