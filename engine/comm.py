@@ -268,6 +268,8 @@ METHODS = (
     "state_dict() (stage 3)",
     "zero.GatheredParameters (enter)",
     "zero.GatheredParameters (exit, modifier_rank broadcast)",
+    "save_pretrained",
+    "load_pretrained",
 )
 
 

@@ -24,7 +24,14 @@ from . import gathered
 from .accelerator import Accelerator
 from .comm import Communicator, Intent
 from .flat import FlatLayout
-from .init import full_numel, full_shape, guard_load_state_dict, is_partitioned, take_full
+from .init import (
+    full_numel,
+    full_shape,
+    guard_load_state_dict,
+    is_partitioned,
+    refuse_meta,
+    take_full,
+)
 from .lr_schedules import build_scheduler
 from .monitor import StepMonitor
 from .optim import build_optimizer, resolve_optimizer
@@ -95,6 +102,7 @@ class Engine(torch.nn.Module):
         self.comm = comm
         self.accelerator = accelerator
         self.module = model
+        refuse_meta(model, comm.rank)  # e.g. built under torch.device("meta"), never loaded
         # Validate the optimizer and its param groups before any collective or device move.
         client_optimizer = optimizer is not None
         optimizer = optimizer or self._config_optimizer(model_parameters)
