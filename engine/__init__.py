@@ -17,6 +17,7 @@ _EXPORTS = {
     "Config": "config",
     "ConfigError": "config",
     "load_config": "config",
+    "load_pretrained": "hf",
 }
 
 # Submodules reachable as attributes: zero.checkpointing is engine/activation.py (DeepSpeed's
@@ -32,6 +33,7 @@ _MODULES = {
     "ops": "ops",
     "init": "init",
     "utils": "utils",
+    "hf": "hf",
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])

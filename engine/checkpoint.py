@@ -105,7 +105,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
     if engine.comm.rank == 0:
         meta = _meta(engine, tag, dict(client_state), scheduler_state, tmp)
         _write_json(os.path.join(tmp, META), meta)
-        _publish(tmp, final)
+        publish_directory(tmp, final)
         if save_latest:
             _write_text_atomic(os.path.join(save_dir, LATEST), tag)
     engine.comm.barrier()
@@ -363,7 +363,7 @@ def _write_text_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _publish(tmp: str, final: str) -> None:
+def publish_directory(tmp: str, final: str) -> None:
     """Move the finished directory into place; an existing checkpoint of the same tag is replaced
     only after the new one is complete."""
     old = final + ".old"

@@ -499,6 +499,30 @@ class Engine(torch.nn.Module):
         save_file(tensors, path)
         return path
 
+    def save_pretrained(self, save_dir, max_shard_size="5GB", dtype=None) -> str:
+        """Write the model in Hugging Face's layout: config.json (from model.config, when the
+        model has one) and model.safetensors, or model-0000i-of-0000n.safetensors shards of at
+        most max_shard_size each (bytes, or a string such as "5GB" = 5e9 bytes) with
+        model.safetensors.index.json; AutoModel*.from_pretrained(save_dir) and
+        zero.load_pretrained read it back.
+
+        Values are the fp32 master weights (what training produced), cast to `dtype` when given
+        (torch.float32, torch.bfloat16, torch.float16 or "fp32"/"bf16"/"fp16"); frozen
+        parameters and floating-point buffers are cast likewise. A tied parameter is saved once,
+        under its first name (transformers drops lm_head.weight and ties it again on load).
+        At any stage; stage 3 all-gathers one bucket at a time and rank 0 streams it to disk, so
+        no rank holds the whole model (engine/hf.py, [Note: export]). Atomic: rank 0 writes
+        `save_dir.tmp` and renames it to save_dir; other files already in save_dir (a tokenizer)
+        are kept, earlier weights replaced.
+
+        Collective: every rank must call it. Returns save_dir on every rank. Raises ValueError
+        for a bad max_shard_size or dtype, NotImplementedError with tensor parallelism; a write
+        error on rank 0 is raised there and as CheckpointError on the other ranks.
+        """
+        from . import hf
+
+        return hf.save_pretrained(self, save_dir, max_shard_size, dtype)
+
     # ----- checkpoints (engine/checkpoint.py) --------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
         """Write a sharded checkpoint to save_dir/tag (default tag: global_step{N}).

@@ -29,13 +29,21 @@ def register(optimizer) -> None:
     """Record which ZeroOptimizer owns each laid-out parameter, trainable or (stage 3) frozen
     (called by the Engine)."""
     ref = weakref.ref(optimizer)
-    for bucket in _buckets(optimizer):
+    for bucket in laid_out_buckets(optimizer):
         for param in bucket.params:
             _OWNER[id(param)] = ref
 
 
-def _buckets(optimizer) -> list:
+def laid_out_buckets(optimizer) -> list:
+    """Every bucket of a ZeroOptimizer: trainable, and at stage 3 frozen ones too."""
     return optimizer.gatherer.buckets if optimizer.gatherer is not None else optimizer.buckets
+
+
+def owner(param):
+    """The ZeroOptimizer that lays out `param` (a trainable parameter, or a stage-3 frozen one),
+    or None."""
+    ref = _OWNER.get(id(param))
+    return None if ref is None else ref()
 
 
 class GatheredParameters:
@@ -58,11 +66,7 @@ class GatheredParameters:
         self._init_params = []  # zero.Init parameters gathered by this context
 
     def _owner(self):
-        for param in self.params:
-            ref = _OWNER.get(id(param))
-            if ref is not None and ref() is not None:
-                return ref()
-        return None
+        return next((o for p in self.params if (o := owner(p)) is not None), None)
 
     def __enter__(self):
         if not self.enabled:
@@ -125,9 +129,8 @@ def _enter(optimizer, method: str, params, modifier_rank=None) -> None:
 def _buckets_holding(optimizer, params) -> list:
     """(index, bucket) of the optimizer's buckets that hold any of `params`."""
     ids = {id(p) for p in params}
-    return [
-        (i, b) for i, b in enumerate(_buckets(optimizer)) if any(id(p) in ids for p in b.params)
-    ]
+    buckets = laid_out_buckets(optimizer)
+    return [(i, b) for i, b in enumerate(buckets) if any(id(p) in ids for p in b.params)]
 
 
 def _publish_modification(optimizer, params, src: int) -> None:
