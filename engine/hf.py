@@ -128,7 +128,7 @@ class _Places:
         else:
             value = read(0, tensor.numel()).view(tensor.shape).to(tensor.dtype)
             if tensor.is_meta:
-                tensor.data = value  # a plain model built on the meta device
+                _fill_meta(tensor, value)  # a plain model built on the meta device
             else:
                 tensor.copy_(value)
 
@@ -176,7 +176,18 @@ def _write_init(param, read) -> None:
     begin, end = shard.owned_range()
     shard.keep_owned(read(begin, end), param.dtype)
     if param.is_meta:
-        param.data = torch.empty(0, dtype=param.dtype, device=shard.home)
+        _fill_meta(param, torch.empty(0, dtype=param.dtype, device=shard.home))
+
+
+def _fill_meta(tensor, value) -> None:
+    """Give a tensor on the meta device `value` (its dtype, on a real device) in place: the
+    Parameter object, its attributes (zero_shard) and every reference to it stay (`.data =`
+    cannot move a tensor off the meta device)."""
+    attributes = dict(tensor.__dict__)
+    if isinstance(tensor, torch.nn.Parameter):
+        value = type(tensor)(value, requires_grad=tensor.requires_grad)
+    torch.utils.swap_tensors(tensor, value)
+    tensor.__dict__.update(attributes)
 
 
 def _targets(module: torch.nn.Module) -> list[_Target]:
