@@ -328,9 +328,14 @@ def load_pretrained(model, path, strict: bool = True) -> LoadResult:
 
     files, pairs, missing, unexpected = _on_every_rank(comm, device, f"verify {path}", verify)
     rank = comm.rank if comm is not None else 0
+    # One file mapped at a time: its tensors in module order, then the next file's.
+    first = {file: i for i, file in reversed(list(enumerate(files.file_of[k] for _, k in pairs)))}
+    pairs.sort(key=lambda pair: first[files.file_of[pair[1]]])
     try:
         with torch.no_grad(), own_ops():
-            for target, key in progress(pairs, "load", rank=rank, unit="tensor"):
+            for i, (target, key) in enumerate(progress(pairs, "load", rank=rank, unit="tensor")):
+                if i and files.file_of[key] != files.file_of[pairs[i - 1][1]]:
+                    files.close()
                 places.write(target.tensor, lambda b, e, key=key: files.read(key, b, e))
     finally:
         files.close()

@@ -47,10 +47,18 @@ Values arrive later, one parameter at a time, in one of two ways:
 - loaded: zero.load_pretrained(model, path) reads each rank's slice of every parameter straight
   from safetensors files into its InitShard (engine/hf.py), empty or not, after the context too.
 zero.initialize refuses a model with parameters or buffers still on the meta device.
+transformers 5 materializes checkpoint tensors on 4 threads ahead of assigning them. Uncast, a
+tensor is a view of the mapped file (no private memory); cast (from_pretrained(dtype=...)) each
+is a private copy, and the read-ahead held about a third of a bf16 model per rank in
+benchmarks/load_pretrained_rss.py. So while the context is open it sets transformers' own switch
+HF_DEACTIVATE_ASYNC_LOAD=1 (unless the environment sets it), which makes it materialize each
+tensor when it assigns it: one full tensor at a time. A transformers without that switch only
+reads ahead again; nothing else depends on it.
 """
 
 import contextlib
 import functools
+import os
 import zlib
 
 import torch
@@ -61,6 +69,8 @@ from .accelerator import detect_accelerator
 from .comm import Communicator, data_parallel_comm, init_process_group, read_launch_env
 
 _ACTIVE = None  # the Init context in force (contexts do not nest: an inner one does nothing)
+# transformers' switch for materializing checkpoint tensors one at a time ([Note: meta ...]).
+_SEQUENTIAL_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"
 # Parameters kept gathered inside the context after their last touch (see [Note: touching a
 # partitioned parameter]); enough for code that aliases a few parameters at once.
 KEEP_GATHERED = 4
@@ -269,6 +279,7 @@ class Init:
         self._patched: dict[type, object] = {}  # class -> its own __init__
         self._subclass_hook = None
         self._register_hook = None
+        self._set_env = False  # this context set HF_DEACTIVATE_ASYNC_LOAD
         self._mode = None
         self._busy = False
         if module is not None and enabled:
@@ -288,6 +299,8 @@ class Init:
         self._register_hook = torch.nn.modules.module.register_module_parameter_registration_hook(
             self._on_register
         )
+        self._set_env = _SEQUENTIAL_LOAD not in os.environ
+        os.environ.setdefault(_SEQUENTIAL_LOAD, "1")
         self._mode = _Catch(self)
         self._mode.__enter__()
         return self
@@ -298,6 +311,8 @@ class Init:
             return False
         self._mode.__exit__(*exc)
         self._register_hook.remove()
+        if self._set_env:
+            os.environ.pop(_SEQUENTIAL_LOAD, None)
         for cls, original in self._patched.items():
             cls.__init__ = original
         self._patched.clear()

@@ -52,15 +52,17 @@ class SafetensorsReader:
     """The tensors of an HF safetensors checkpoint: a directory with model.safetensors or
     model.safetensors.index.json and its shards, a .safetensors file, or an index file.
 
-    Every file is opened once when constructed (headers only: safe_open maps the file and reads
-    tensors on demand) and every name the index lists is checked. `keys`: the tensor names;
-    `file_of`: name -> file. Raises CheckpointError naming the file and the key.
+    Every file's header is read when constructed (names and shapes) and every name the index
+    lists is checked; read() then maps the files it reads from (safe_open maps a whole file,
+    copy-on-write: close() unmaps them, so a caller that reads file by file keeps one mapped).
+    `keys`: the tensor names; `file_of`: name -> file. Raises CheckpointError naming the file
+    and the key.
     """
 
     def __init__(self, path):
         self.path = os.fspath(path)
         self._handles: dict[str, object] = {}
-        self._keys: dict[str, set] = {}
+        self._shapes: dict[str, dict] = {}  # file -> {name: shape}
         self.file_of = self._weight_map()
         self.keys = list(self.file_of)
         self.bytes_read = 0  # bytes read by read() so far
@@ -73,7 +75,7 @@ class SafetensorsReader:
             if os.path.isfile(index):
                 return self._read_index(index)
             if os.path.isfile(single):
-                return dict.fromkeys(sorted(self._file_keys(single)), single)
+                return dict.fromkeys(sorted(self._header(single)), single)
             raise CheckpointError(
                 f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}: zero reads Hugging Face "
                 "safetensors checkpoints (not pytorch_model.bin); save_pretrained writes them"
@@ -82,7 +84,7 @@ class SafetensorsReader:
             return self._read_index(path)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} does not exist")
-        return dict.fromkeys(sorted(self._file_keys(path)), path)
+        return dict.fromkeys(sorted(self._header(path)), path)
 
     def _read_index(self, index: str) -> dict[str, str]:
         try:
@@ -92,7 +94,7 @@ class SafetensorsReader:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"{index}: not a safetensors index ({error})") from None
         for key, file in files.items():
-            if key not in self._file_keys(file):
+            if key not in self._header(file):
                 raise CheckpointError(f"{file}: tensor '{key}' that {index} lists is missing")
         return files
 
@@ -107,13 +109,17 @@ class SafetensorsReader:
                 raise CheckpointError(message) from None
         return self._handles[file]
 
-    def _file_keys(self, file: str) -> set:
-        if file not in self._keys:
-            self._keys[file] = set(self._handle(file).keys())
-        return self._keys[file]
+    def _header(self, file: str) -> dict:
+        """{name: shape} of a file (mapped only while read here)."""
+        if file not in self._shapes:
+            handle = self._handle(file)
+            self._shapes[file] = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+            handle.__exit__(None, None, None)
+            del self._handles[file]
+        return self._shapes[file]
 
     def shape(self, key: str) -> tuple:
-        return tuple(self._handle(self.file_of[key]).get_slice(key).get_shape())
+        return self._header(self.file_of[key])[key]
 
     def read(self, key: str, begin: int, end: int) -> torch.Tensor:
         """Elements [begin, end) of the flattened tensor `key`: (end - begin,) in the file's
