@@ -92,11 +92,7 @@ class _Places:
                 self._init_shard = param.zero_shard
         if self.optimizer is None:
             return
-        if self.optimizer.settings.model_parallel is not None:
-            raise NotImplementedError(
-                "Hugging Face checkpoints with tensor parallelism (mpu): each rank holds slices "
-                "of full tensors; load or save the model without an mpu"
-            )
+        _refuse_model_parallel(self.optimizer)
         for bucket in laid_out_buckets(self.optimizer):
             for slot, param in zip(bucket.layout.slots, bucket.params):
                 self._slot_of[id(param)] = (bucket, slot)
@@ -112,7 +108,8 @@ class _Places:
         """(Communicator, device of its collectives) of the ranks the model is partitioned over,
         or (None, None) for a model that is not."""
         if self.optimizer is not None:
-            return self.optimizer.comm, self.optimizer.buckets[0].grad_shard.device
+            devices = [b.grad_shard.device for b in self.optimizer.buckets]
+            return self.optimizer.comm, devices[0] if devices else torch.device("cpu")
         if self._init_shard is not None:
             return self._init_shard.comm, self._init_shard.comm_device
         return None, None
@@ -165,6 +162,14 @@ class _Places:
         """Stage 3: gather the persistent unit's new values. Collective."""
         if self.optimizer is not None and self.optimizer.gatherer is not None:
             self.optimizer.gatherer.refresh_persistent()
+
+
+def _refuse_model_parallel(optimizer) -> None:
+    if optimizer.settings.model_parallel is not None:
+        raise NotImplementedError(
+            "Hugging Face checkpoints with tensor parallelism (mpu): each rank holds slices of "
+            "full tensors; load or save the model without an mpu"
+        )
 
 
 def _write_init(param, read) -> None:
@@ -417,7 +422,7 @@ def save_pretrained(engine, save_dir, max_shard_size="5GB", dtype=None) -> str:
     if limit <= 0:
         raise ValueError(f"max_shard_size={max_shard_size!r} must be positive (e.g. '5GB')")
     dtype = _export_dtype(dtype)
-    _Places(engine.module)  # refuses tensor parallelism
+    _refuse_model_parallel(engine.optimizer)
     _enter(engine.comm, "save_pretrained")
     save_dir = os.fspath(save_dir)
     skip = set(getattr(engine.module, "_keys_to_ignore_on_save", None) or ())

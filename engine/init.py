@@ -320,11 +320,13 @@ class Init:
             del torch.nn.Module.__init_subclass__
         else:
             torch.nn.Module.__init_subclass__ = self._subclass_hook
-        if exc[0] is None:
-            self._release_all()
-            self._check_assigned()
-        self.assigned.clear()
-        _ACTIVE = None
+        try:
+            if exc[0] is None:
+                self._release_all()
+                self._check_assigned()
+        finally:
+            self.assigned.clear()
+            _ACTIVE = None
         return False
 
     def _wrap_init(self, cls) -> None:

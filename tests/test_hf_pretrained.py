@@ -320,6 +320,7 @@ def errors(paths, out):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import zero
+    from zero.init import is_partitioned
 
     for stage in (None, 3):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(paths["llama"]))
@@ -340,6 +341,9 @@ def errors(paths, out):
         out["differing_assignment"] = None
     except ValueError as error:
         out["differing_assignment"] = str(error)
+    with zero.Init(config=config(3)):  # the failed context is closed: a new one works
+        layer = torch.nn.Linear(3, 3)
+    out["init_after_error"] = is_partitioned(layer.weight)
 
 
 def sweep(paths):
@@ -464,6 +468,7 @@ def test_missing_keys_and_differing_assignments_are_errors(per_rank):
             assert "missing keys ['model.layers.1.mlp.up_proj.weight']" in message, message
         assert res["missing_not_strict"] == (["model.layers.1.mlp.up_proj.weight"], [])
         assert "differ between ranks" in res["differing_assignment"]
+        assert res["init_after_error"]
 
 
 def test_shard_writer_files_read_back_with_safetensors(tmp_path):
