@@ -50,8 +50,9 @@ setup(
     # The op sources compile on first use (JIT), so they ship with the package.
     package_data={"zero.ops": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"]},
     install_requires=[
-        # Pinned so a machine without a GPU takes the local CPU wheel; see README for other builds.
-        "torch==2.13.0",
+        # A range, never a pin: a user's own torch build (CUDA, ROCm, CPU) must stay. 2.6 is the
+        # oldest torch with every API zero calls (group_src collectives); tested on 2.13.
+        "torch>=2.6",
         "pydantic>=2.5",
         "hjson>=3.1",
         "PyYAML>=6.0",

@@ -13,6 +13,9 @@ _EXPORTS = {
     "Init": "init",
     "RankMismatchError": "comm",
     "initialize": "api",
+    "add_config_arguments": "api",
+    "is_compile_supported": "api",
+    "init_distributed": "comm",
     "Engine": "engine",
     "Config": "config",
     "ConfigError": "config",
@@ -34,6 +37,7 @@ _MODULES = {
     "init": "init",
     "utils": "utils",
     "hf": "hf",
+    "comm": "comm",
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])

@@ -3,15 +3,18 @@
 engine, optimizer, dataloader, lr_scheduler = zero.initialize(model=model, config="zero2.json")
 """
 
+import argparse
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
 from .accelerator import detect_accelerator
 from .comm import data_parallel_comm, init_process_group, read_launch_env
-from .config import load_config
+from .config import load_config, settings_without_effect
 from .engine import Engine
+from .mpu import model_parallel_comm
 
 logger = logging.getLogger("zero")
 
@@ -32,8 +35,11 @@ def initialize(
     """Wrap `model` for ZeRO training; DeepSpeed's deepspeed.initialize signature and result.
 
     Args:
-        args: an argparse namespace; its `deepspeed_config` (or `zero_config`) names the config
-            when `config` is not given.
+        args: an argparse namespace (add_config_arguments adds the flags): its
+            `deepspeed_config` (also set by --zero_config), or `deepspeed` when that holds a
+            path (Hugging Face's --deepspeed ds_config.json), names the config when `config` is
+            not given; its `local_rank` (zrun and DeepSpeed's launcher pass --local_rank) picks
+            the device when no LOCAL_RANK variable is set, and must equal LOCAL_RANK when one is.
         model: the torch.nn.Module to train (required).
         optimizer: a freshly built torch.optim.Optimizer over the model's parameters; it keeps
             its param groups and hyper-parameters but steps on this rank's shards. Without it the
@@ -59,18 +65,25 @@ def initialize(
         raise ValueError("zero.initialize needs model=")
     source = _config_source(args, config, config_params)
     launch = read_launch_env()
+    local_rank = _local_rank(args, launch)
     auto = _auto_values(model, optimizer)
+    notes: list[str] = []  # info lines of the config, logged once the handler exists
     if mpu is None:
         # Validate before touching torch.distributed, so a bad config costs nothing.
-        cfg = load_config(source, world_size=_launch_world_size(launch), auto_values=auto)
-    accelerator = detect_accelerator(launch.local_rank if launch else 0)
+        cfg = load_config(
+            source, world_size=_launch_world_size(launch), auto_values=auto, notes=notes
+        )
+    accelerator = detect_accelerator(local_rank)
     if launch is not None and dist_init_required is not False:
         init_process_group(accelerator.backend, launch)
     comm = data_parallel_comm(mpu)
     # With an mpu, comm.rank is the data-parallel rank: log as the global rank (one rank 0).
     _default_logging(dist.get_rank() if mpu is not None and dist.is_initialized() else comm.rank)
     if mpu is not None:
-        cfg = load_config(source, world_size=comm.world_size, auto_values=auto)
+        cfg = load_config(source, world_size=comm.world_size, auto_values=auto, notes=notes)
+    mp_size = model_parallel_comm(mpu).world_size
+    for note in notes + settings_without_effect(cfg, model_parallel_world_size=mp_size):
+        logger.info(note)
     _configure_checkpointing(cfg, mpu)
     engine = Engine(model, cfg, comm, accelerator, optimizer, model_parameters, lr_scheduler, mpu)
     loader = None
@@ -79,11 +92,68 @@ def initialize(
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add zero's command-line flags to `parser` and return it; DeepSpeed's
+    deepspeed.add_config_arguments. zero.initialize(args=parser.parse_args(), ...) reads them.
+
+    --deepspeed: a flag for the script's own use (DeepSpeed's meaning: "zero is enabled").
+    --deepspeed_config PATH, alias --zero_config PATH: the config file (args.deepspeed_config).
+    --deepspeed_mpi: accepted for DeepSpeed's scripts; zero discovers mpirun's variables itself.
+    Raises argparse.ArgumentError when the parser already defines one of these flags.
+    """
+    group = parser.add_argument_group("zero", "zero configuration (DeepSpeed's flags)")
+    group.add_argument(
+        "--deepspeed", action="store_true", help="enable zero (a flag for the script's own use)"
+    )
+    group.add_argument(
+        "--deepspeed_config",
+        "--zero_config",
+        dest="deepspeed_config",
+        default=None,
+        help="zero config file (JSON, hjson or YAML)",
+    )
+    group.add_argument(
+        "--deepspeed_mpi", action="store_true", help="accepted; mpirun is detected without it"
+    )
+    return parser
+
+
+def is_compile_supported() -> bool:
+    """True when torch.compile can run in this process (torch's Dynamo supports this Python
+    and platform); DeepSpeed's deepspeed.is_compile_supported."""
+    try:
+        from torch._dynamo import is_dynamo_supported
+    except ImportError:
+        return False
+    return bool(is_dynamo_supported())
+
+
+def _local_rank(args, launch) -> int:
+    """The rank on this node: the launcher's variable, else args.local_rank, else 0."""
+    from_args = getattr(args, "local_rank", None)
+    if not isinstance(from_args, int) or from_args < 0:
+        return launch.local_rank if launch is not None else 0
+    if launch is not None and launch.local_rank != from_args:
+        raise ValueError(
+            f"args.local_rank={from_args} but the launcher's environment says local rank "
+            f"{launch.local_rank}; pass the --local_rank the launcher gives (or none)"
+        )
+    return from_args
+
+
 def _config_source(args, config, config_params):
     if config is not None and config_params is not None:
         raise ValueError("pass the config once: config= or config_params=, not both")
     source = config if config is not None else config_params
     from_args = getattr(args, "deepspeed_config", None) or getattr(args, "zero_config", None)
+    path_flag = getattr(args, "deepspeed", None)
+    if isinstance(path_flag, (str, os.PathLike)):  # Hugging Face's --deepspeed ds_config.json
+        if from_args is not None and from_args != path_flag:
+            raise ValueError(
+                f"two configs given: args.deepspeed={path_flag!r} and "
+                f"args.deepspeed_config={from_args!r}; pass one"
+            )
+        from_args = path_flag
     if source is not None and from_args is not None and source != from_args:
         raise ValueError(
             f"two configs given: config={source!r} and args.deepspeed_config={from_args!r}; "

@@ -9,6 +9,9 @@ one optimizer step this gives 2 Psi for stages 0-2.
 A Communicator with world size 1 performs the same operations locally (copies) without any
 process group, so single-process runs take exactly the code path of multi-rank runs; nothing
 crosses a network then, so nothing is counted.
+
+The module's last section is DeepSpeed's deepspeed.comm for training scripts (`from zero import
+comm as dist`): thin wrappers over torch.distributed whose traffic is the script's, not counted.
 """
 
 import datetime
@@ -207,7 +210,7 @@ class Communicator:
         if isinstance(self.group, OwnGroup):
             launch = lambda: self.group.reduce_scatter(output, input, async_op)  # noqa: E731
         else:
-            launch = lambda: dist.reduce_scatter_single(  # noqa: E731
+            launch = lambda: dist.reduce_scatter_tensor(  # noqa: E731
                 output, input, group=self.group, async_op=async_op
             )
         return self._run("reduce_scatter", input, launch, async_op)
@@ -228,7 +231,7 @@ class Communicator:
         return self._run(
             "all_gather",
             output,
-            lambda: dist.all_gather_single(output, input, group=self.group, async_op=async_op),
+            lambda: dist.all_gather_into_tensor(output, input, self.group, async_op),
             async_op,
         )
 
@@ -270,6 +273,8 @@ METHODS = (
     "zero.GatheredParameters (exit, modifier_rank broadcast)",
     "save_pretrained",
     "load_pretrained",
+    "zero.utils.safe_get_full_* (an all-gather of one parameter)",
+    "zero.utils.safe_set_full_* (every rank passes the same value)",
 )
 
 
@@ -388,7 +393,8 @@ class Agreement:
         if row_0[0] == row[0] == Intent.METHOD and slot > 2:
             return (
                 f"{head} ranks 0 and {other} call {METHODS[row_0[2] - 1]} with different "
-                "arguments (other parameters); every rank must pass the same ones."
+                "arguments (other parameters, state keys or values); every rank must pass the "
+                "same ones."
             )
         slot = max(slot, 2)
 
@@ -483,8 +489,8 @@ def _default_fix(a, b) -> str:
     if Intent.METHOD in kinds:
         return (
             "Collective methods (save_checkpoint, load_checkpoint, save_16bit_model, "
-            "state_dict under stage 3, zero.GatheredParameters) must be called on every rank, "
-            "not under `if rank == 0`."
+            "state_dict under stage 3, zero.GatheredParameters, zero.utils.safe_get_full_* and "
+            "safe_set_full_*) must be called on every rank, not under `if rank == 0`."
         )
     return (
         "Under ZeRO stage 3 every rank must run the same modules in the same order "
@@ -578,7 +584,7 @@ class LaunchEnv:
     world_size: int
 
 
-def read_launch_env() -> LaunchEnv | None:
+def read_launch_env(default_port: int = 29500) -> LaunchEnv | None:
     """Read the rank layout a launcher set; None when not started by a launcher.
 
     The first set of variables present wins: RANK, WORLD_SIZE, LOCAL_RANK (zrun, torchrun);
@@ -586,7 +592,7 @@ def read_launch_env() -> LaunchEnv | None:
     SLURM_NTASKS, SLURM_LOCALID (``srun python train.py``). For the last two, unset rendezvous
     variables are filled in os.environ for the env:// rendezvous: MASTER_ADDR with the first host
     of SLURM_JOB_NODELIST (SLURM only; ``scontrol show hostnames`` when available), MASTER_PORT
-    with 29500.
+    with `default_port`.
 
     Raises ValueError naming the variable when one is set but malformed or inconsistent.
     """
@@ -619,12 +625,13 @@ def read_launch_env() -> LaunchEnv | None:
             from zero.launcher.nodelist import first_host  # only SLURM jobs need the parser
 
             os.environ["MASTER_ADDR"] = first_host(os.environ["SLURM_JOB_NODELIST"])
-        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("MASTER_PORT", str(default_port))
     return LaunchEnv(values[rank_name], values[local_name], values[size_name])
 
 
-def init_process_group(backend: str, env: LaunchEnv) -> None:
-    """Initialize the default process group from MASTER_ADDR/MASTER_PORT (env:// rendezvous).
+def init_process_group(backend: str, env: LaunchEnv, **options) -> None:
+    """Initialize the default process group from MASTER_ADDR/MASTER_PORT (env:// rendezvous);
+    `options` go to torch.distributed.init_process_group (timeout).
 
     Every rank must call it. Does nothing when a default group already exists.
     """
@@ -636,7 +643,7 @@ def init_process_group(backend: str, env: LaunchEnv) -> None:
                 f"environment variable {name} is not set; start the job with zrun or torchrun, "
                 "or set MASTER_ADDR and MASTER_PORT"
             )
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **options)
 
 
 def data_parallel_comm(mpu=None, group=None) -> Communicator:
@@ -653,3 +660,169 @@ def data_parallel_comm(mpu=None, group=None) -> Communicator:
     if group is not None:
         return Communicator(group, dist.get_rank(group), dist.get_world_size(group))
     return Communicator(None, dist.get_rank(), dist.get_world_size())
+
+
+# ----- zero.comm as deepspeed.comm ---------------------------------------------------------
+# Thin wrappers over torch.distributed under DeepSpeed's deepspeed.comm names, for training
+# scripts (`from zero import comm as dist`). They are the script's own traffic: none of them is
+# counted in an engine's ledger (engine.comm_stats() counts zero's collectives only).
+ReduceOp = dist.ReduceOp
+
+
+def is_available() -> bool:
+    """True when this torch build has torch.distributed."""
+    return dist.is_available()
+
+
+def is_initialized() -> bool:
+    """True once a default process group exists (zero.init_distributed, zero.initialize under a
+    launcher, or torch.distributed.init_process_group)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _require(name: str) -> None:
+    if not is_initialized():
+        raise RuntimeError(
+            f"zero.comm.{name}: torch.distributed is not initialized; call "
+            "zero.init_distributed() first (it also works without a launcher: one rank)"
+        )
+
+
+def get_rank(group=None) -> int:
+    """This process's rank in `group` (default: every rank). Raises RuntimeError before
+    initialization."""
+    _require("get_rank")
+    return dist.get_rank(group)
+
+
+def get_world_size(group=None) -> int:
+    """Number of ranks in `group` (default: every rank). Raises RuntimeError before
+    initialization."""
+    _require("get_world_size")
+    return dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node, from the launcher's environment (LOCAL_RANK, or mpirun's
+    and srun's equivalents); 0 without a launcher. Needs no process group."""
+    launch = read_launch_env()
+    return launch.local_rank if launch is not None else 0
+
+
+def get_global_rank(group, group_rank: int) -> int:
+    """The global rank of `group`'s rank `group_rank`."""
+    _require("get_global_rank")
+    return dist.get_global_rank(group, group_rank)
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None):
+    """Wait until every rank of `group` arrives. Collective."""
+    _require("barrier")
+    return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """Reduce `tensor` over `group` in place (sum by default). Collective."""
+    _require("all_reduce")
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """Copy `tensor` from global rank `src` to every rank of `group`, in place. Collective."""
+    _require("broadcast")
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather(tensor_list: list, tensor: torch.Tensor, group=None, async_op: bool = False):
+    """tensor_list[r] receives rank r's `tensor` (world size entries, each shaped like
+    `tensor`). Collective."""
+    _require("all_gather")
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's `input_tensor` (n elements) into `output_tensor` (world size *
+    n elements), in rank order. Collective."""
+    _require("all_gather_into_tensor")
+    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter(output, input_list: list, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduce input_list[r] over the ranks into rank r's `output` (world size entries, each
+    shaped like `output`). Collective."""
+    _require("reduce_scatter")
+    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output_tensor, input_tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduce `input_tensor` (world size * n elements) over the ranks; rank r receives slice r
+    (n elements) in `output_tensor`. Collective."""
+    _require("reduce_scatter_tensor")
+    return dist.reduce_scatter_tensor(
+        output_tensor, input_tensor, op=op, group=group, async_op=async_op
+    )
+
+
+def destroy_process_group(group=None) -> None:
+    """Tear down `group` (default: the default group and every other). Collective."""
+    dist.destroy_process_group(group)
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config=None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Create the default process group; DeepSpeed's deepspeed.init_distributed.
+
+    Where ranks come from, first match: explicit `rank` and `world_size` (with `init_method`, or
+    MASTER_ADDR/MASTER_PORT); the launcher's environment (zrun, torchrun: RANK, WORLD_SIZE,
+    LOCAL_RANK; ``mpirun`` and ``srun``'s variables when `auto_mpi_discovery`, with MASTER_PORT
+    defaulting to `distributed_port`); otherwise a one-rank group in this process, so a script
+    run with plain ``python`` works. Backend: `dist_backend`, else nccl with CUDA and gloo
+    without. `timeout`: torch.distributed's collective timeout. `config` is accepted for
+    DeepSpeed's signature and not read.
+
+    Does nothing when a default group exists. Raises RuntimeError when `dist_init_required` is
+    False but none exists, ValueError for malformed launcher variables. Every rank must call it.
+    """
+    del config  # DeepSpeed reads its comms-logger settings from it; zero's engine does that
+    if is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError(
+            "init_distributed(dist_init_required=False) but torch.distributed is not initialized; "
+            "drop the argument to let zero initialize it"
+        )
+    launch = None
+    if auto_mpi_discovery or "RANK" in os.environ:
+        launch = read_launch_env(default_port=distributed_port)
+    if dist_backend is None:
+        from .accelerator import detect_accelerator
+
+        dist_backend = detect_accelerator(launch.local_rank if launch else 0).backend
+    options = {} if timeout is None else {"timeout": timeout}
+    if rank >= 0 and world_size > 0:
+        dist.init_process_group(
+            dist_backend, init_method=init_method, rank=rank, world_size=world_size, **options
+        )
+    elif launch is not None:
+        init_process_group(dist_backend, launch, **options)
+    else:
+        dist.init_process_group(
+            dist_backend, store=dist.HashStore(), rank=0, world_size=1, **options
+        )
+    if verbose:
+        logger.info(
+            "initialized torch.distributed: backend %s, rank %d of %d",
+            dist_backend,
+            dist.get_rank(),
+            dist.get_world_size(),
+        )

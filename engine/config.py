@@ -13,8 +13,10 @@ Loading (``load_config``) runs these steps, in order:
   1. read the source (path to .json/.hjson/.yaml/.yml, a mapping, or an existing ``Config``);
      a key given twice in one mapping is an error, and YAML reads 1e-3 as a float, like JSON;
   2. map deprecated DeepSpeed names to their current ones (each with a ``FutureWarning``);
-  3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs);
-  4. validate against the schema (one ``ConfigError`` naming the dotted key on failure);
+  3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs); an "auto"
+     bucket size or threshold nothing fills takes its default, said in one info line;
+  4. validate against the schema (one ``ConfigError`` naming the dotted key on failure;
+     ZeRO++ / MiCS keys other than their defaults are errors, zero does not implement them);
   5. derive the batch triple for the data-parallel world size;
   6. warn once per accepted-but-unsupported block (amp, pipeline, ...).
 
@@ -24,6 +26,7 @@ are read-only mappings and lists are tuples.
 
 import functools
 import json
+import logging
 import os
 import re
 import sys
@@ -54,10 +57,13 @@ from pydantic_core import PydanticCustomError
 
 from .errors import did_you_mean
 
+logger = logging.getLogger("zero")
+
 __all__ = [
     "ConfigError",
     "Config",
     "load_config",
+    "settings_without_effect",
     "ZeroConfig",
     "FP16Config",
     "BF16Config",
@@ -288,10 +294,23 @@ class OffloadParamConfig(_Block):
     pin_memory: bool = Field(False, description="Use page-locked CPU memory.")
 
 
+# ZeRO++ (arXiv 2306.10209) and MiCS (arXiv 2205.00119) keys: accepted at their defaults, which
+# switch the features off, so DeepSpeed files that spell the defaults out still load.
+_ZERO_PLUS_PLUS_KEYS = (
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
+)
+
+
 class ZeroConfig(_Block):
     """DeepSpeed ``zero_optimization``. Every size here counts elements, not bytes.
 
     ``overlap_comm`` is resolved at load time: true for stage 3, false otherwise, unless given.
+    ZeRO++ / MiCS keys other than their defaults are errors: zero does not implement them.
     """
 
     stage: Annotated[int, BeforeValidator(_to_stage)] = Field(
@@ -388,6 +407,24 @@ class ZeroConfig(_Block):
         if value is None:
             return info.data.get("stage") == 3
         return value
+
+    @model_validator(mode="after")
+    def _refuse_zero_plus_plus(self) -> "ZeroConfig":
+        # Quantized or hierarchical collectives change the numerics and the communication
+        # pattern: a run that ignored them would not be the run the config describes.
+        fields = type(self).model_fields
+        changed = [k for k in _ZERO_PLUS_PLUS_KEYS if getattr(self, k) != fields[k].default]
+        if not changed:
+            return self
+        given = ", ".join(f"zero_optimization.{k} = {_show(getattr(self, k))}" for k in changed)
+        defaults = ", ".join(f"{k}: {_show(fields[k].default)}" for k in changed)
+        raise _cross(
+            f"{given}: zero does not implement ZeRO++ / MiCS (quantized weights or gradients, "
+            "hierarchical or MiCS-sharded communication). Remove the key"
+            f"{'s' if len(changed) > 1 else ''} or set {'them' if len(changed) > 1 else 'it'} "
+            f"to the default ({defaults}); zero then trains with full-precision collectives "
+            "over the whole data-parallel group."
+        )
 
     @model_validator(mode="after")
     def _check_offload(self) -> "ZeroConfig":
@@ -698,14 +735,26 @@ _FROM_HIDDEN_SIZE = {
     "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
 }
-_ZERO_PLUS_PLUS_DEFAULTS = {
-    "zero_hpz_partition_size": 1,
-    "zero_quantized_weights": False,
-    "zero_quantized_nontrainable_weights": False,
-    "zero_quantized_gradients": False,
-    "mics_shard_size": -1,
-    "mics_hierarchical_params_gather": False,
-}
+# [Note: "auto" that takes the default]
+# Bucket sizes and thresholds only trade memory for speed: any value trains the same numbers.
+# An "auto" in one of them that nothing fills (no auto_values entry, no hidden size) takes the
+# field's default, as DeepSpeed does for every "auto" inside zero_optimization, and load_config
+# says so in one info line. So does stage3_gather_16bit_weights_on_model_save, which Accelerate
+# fills with its default false (stage 3's state_dict() and save_16bit_model then raise, naming
+# the key). Everything else (lr, batch sizes, clipping, fp16/bf16, the stage, offload devices)
+# changes what is trained, so an unfilled "auto" there stays an error.
+_AUTO_TAKES_DEFAULT = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_module_granularity_threshold",
+    "sub_group_size",
+    "stage3_gather_16bit_weights_on_model_save",
+)
 
 
 def load_config(
@@ -713,6 +762,7 @@ def load_config(
     *,
     world_size: int = 1,
     auto_values: Mapping[str, Any] | None = None,
+    notes: list[str] | None = None,
 ) -> Config:
     """Load, validate and resolve a DeepSpeed-style config.
 
@@ -724,26 +774,34 @@ def load_config(
             ``{"train_micro_batch_size_per_gpu": 8, "optimizer.params.lr": 1e-3}``); a
             ``"hidden_size"`` entry fills "auto" reduce_bucket_size (h*h),
             stage3_prefetch_bucket_size (0.9*h*h) and stage3_param_persistence_threshold (10*h).
+            An "auto" bucket size or threshold in zero_optimization that nothing fills takes
+            the field's default (see [Note: "auto" that takes the default]).
+        notes: when given, the info lines about how the config was resolved (the "auto"
+            entries that took defaults; at most one line) are appended here instead of being
+            logged to the "zero" logger, so a caller without a log handler yet (zero.initialize)
+            can log them once it has one.
 
     Returns:
         An immutable ``Config`` whose three batch keys are ints.
 
     Raises:
         ConfigError: missing or unparsable file, unknown key, invalid value, broken cross-field
-            rule, unresolved "auto", or a batch triple that does not fit ``world_size``. The
-            message names the dotted key, the value and the fix (and the file, if any).
+            rule, unresolved "auto", ZeRO++ / MiCS keys set to anything but their defaults
+            (not implemented), or a batch triple that does not fit ``world_size``. The message
+            names the dotted key, the value and the fix (and the file, if any).
 
     Warns:
         FutureWarning for each deprecated DeepSpeed name; UserWarning for enabled blocks of
-        subsystems zero does not support and for ZeRO++/MiCS keys, which are not implemented.
+        subsystems zero does not support.
     """
+    found: list[str] = []
     if isinstance(source, Config):
         where = "config: "
         data = _thaw(source._source or source.model_dump(exclude_unset=True))
     else:
         where, data = _read_source(source)
         data = _map_deprecated(data, where)
-        data = _resolve_auto(data, auto_values or {}, where)
+        data = _resolve_auto(data, auto_values or {}, where, found)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}.")
     try:
@@ -767,7 +825,39 @@ def load_config(
     config._source = _freeze(data)
     if not isinstance(source, Config):  # the first load already warned
         _warn_unsupported(config, where)
+    if notes is not None:
+        notes.extend(found)
+    else:
+        for line in found:
+            logger.info(line)
     return config
+
+
+def settings_without_effect(config: Config, *, model_parallel_world_size: int) -> list[str]:
+    """Lines naming what ``config`` asks for that has no effect in this run (empty when none).
+
+    zero.initialize logs them once at INFO (shown on rank 0). Only settings that are inert
+    because of how the run is set up are named here; keys zero never acts on are listed as such
+    in docs/config.md.
+
+    Args:
+        config: a loaded config.
+        model_parallel_world_size: ranks in the model-parallel (tensor-parallel) group; 1
+            without model parallelism (no mpu).
+    """
+    lines = []
+    block = config.activation_checkpointing
+    if block.partition_activations and model_parallel_world_size == 1:
+        # Pa keeps a 1/mp slice of an input that every model-parallel rank holds in full; with
+        # mp = 1 the slice is the whole input (activation.py's _KeptInputs skips partitioning).
+        lines.append(
+            "activation_checkpointing.partition_activations has no effect without model "
+            "parallelism (model-parallel world size 1): checkpointed activations are not "
+            "replicated across a model-parallel group, so each rank keeps them whole "
+            "(cpu_checkpointing and contiguous_memory_optimization still apply). Set it to "
+            "false, or pass an mpu whose model-parallel size is above 1."
+        )
+    return lines
 
 
 def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
@@ -973,9 +1063,13 @@ def _map_deprecated(data: dict[str, Any], where: str) -> dict[str, Any]:
     return data
 
 
-def _resolve_auto(data: dict[str, Any], auto_values: Mapping[str, Any], where: str) -> dict:
-    """Replace "auto" values from ``auto_values``; fail on any left unresolved."""
+def _resolve_auto(
+    data: dict[str, Any], auto_values: Mapping[str, Any], where: str, notes: list[str]
+) -> dict:
+    """Replace "auto" values from ``auto_values``, the hidden size or the field defaults; fail on
+    any left unresolved. Appends one line to ``notes`` naming the defaults taken, if any."""
     hidden = auto_values.get("hidden_size")
+    defaulted: dict[str, Any] = {}
 
     def fill(node: Any, key: str) -> Any:
         if isinstance(node, dict):
@@ -988,6 +1082,10 @@ def _resolve_auto(data: dict[str, Any], auto_values: Mapping[str, Any], where: s
             return auto_values[key]
         if key in _FROM_HIDDEN_SIZE and hidden is not None:
             return _FROM_HIDDEN_SIZE[key](int(hidden))
+        name = key.removeprefix("zero_optimization.")
+        if key != name and name in _AUTO_TAKES_DEFAULT:
+            defaulted[key] = ZeroConfig.model_fields[name].default
+            return defaulted[key]
         return node
 
     data = fill(data, "")
@@ -1003,7 +1101,21 @@ def _resolve_auto(data: dict[str, Any], auto_values: Mapping[str, Any], where: s
             f'{where}{keys} {"is" if len(left) == 1 else "are"} "auto" but no value was given. '
             'Pass the value to zero.initialize (it fills "auto" entries) or write it in the config.'
         )
+    if defaulted:
+        notes.append(_defaults_taken(defaulted, where))
     return data
+
+
+def _defaults_taken(defaulted: Mapping[str, Any], where: str) -> str:
+    """The one info line naming the "auto" entries that took zero's defaults, and their values."""
+    taken = ", ".join(f"{k}={_show(v)}" for k, v in defaulted.items())
+    why = ""
+    if any(k in _FROM_HIDDEN_SIZE for k in defaulted):
+        why = " (no model hidden size to derive bucket sizes from)"
+    return (
+        f'{where}"auto" entries took zero\'s defaults{why}: {taken}; write numbers in the '
+        "config to choose other values."
+    )
 
 
 def _auto_keys(node: Any, key: str) -> list[str]:
@@ -1072,16 +1184,6 @@ def _warn_unsupported(config: Config, where: str) -> None:
                 UserWarning,
                 stacklevel=_caller_stacklevel(),
             )
-    zero = config.zero_optimization
-    changed = [k for k, v in _ZERO_PLUS_PLUS_DEFAULTS.items() if getattr(zero, k) != v]
-    if changed:
-        keys = ", ".join(f"'zero_optimization.{k}'" for k in changed)
-        warnings.warn(
-            f"{where}{keys}: ZeRO++ / MiCS options are accepted but not implemented by zero; "
-            "they are ignored.",
-            UserWarning,
-            stacklevel=_caller_stacklevel(),
-        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ The training loop a DeepSpeed user knows:
 
 The engine's phase moves IDLE -> FORWARD -> BACKWARD -> IDLE (step). Calling backward twice for one
 micro-batch is an error: the gradients of the second call would be added after the reduction of
-the first (sum the losses and call backward once).
+the first (sum the losses and call backward once). Two DeepSpeed styles end a micro-batch without
+engine.step(): a backward inside engine.no_sync(), and one after
+engine.set_gradient_accumulation_boundary(False); the next backward then starts the next
+micro-batch.
 """
 
 import contextlib
@@ -112,6 +115,20 @@ class Engine(torch.nn.Module):
         if agreement is not None:
             doing = "builds its engine (zero.initialize)"
             agreement.check(Intent.LAYOUT, (_fingerprint(model, config),), doing)
+        # A scheduler that cannot be built (a misspelled parameter) fails before the model is
+        # touched; it drives the param groups' lr, which zero keeps.
+        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
+        snapshot = ModelSnapshot(model)
+        try:
+            self._build(named_groups, optimizer, agreement, mpu)
+        except BaseException:
+            snapshot.restore()  # a failed zero.initialize leaves the model as it found it
+            raise
+
+    def _build(self, named_groups, optimizer, agreement, mpu) -> None:
+        """Lay the model out and attach zero to it (the part of construction that changes the
+        model: parameter storage, hooks, device)."""
+        config, comm, accelerator = self.config, self.comm, self.accelerator
         self.module.to(device=accelerator.device)  # keeps Parameter objects: groups stay valid
         if config.zero.stage < 3:
             self._materialize_frozen(named_groups)
@@ -171,8 +188,12 @@ class Engine(torch.nn.Module):
                 )
                 guard_load_state_dict(module)
         gathered.register(self.optimizer)
-        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
         self.phase = Phase.IDLE
+        self._no_sync = False  # inside engine.no_sync()
+        self._boundary = None  # set_gradient_accumulation_boundary's value; None: count
+        self._step_optional = False  # the last backward needs no engine.step() before the next
+        self._counted = True  # the last backward's micro-batch counts toward accumulation
+        self._reduced = False  # the last backward reduced gradients
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -373,13 +394,19 @@ class Engine(torch.nn.Module):
         for one micro-batch without engine.step() in between.
         """
         if self.phase is Phase.BACKWARD:
-            raise RuntimeError(
-                f"rank {self.comm.rank}: engine.backward() called twice for one micro-batch; "
-                "call engine.step() after each backward (sum the losses to backpropagate several)"
-            )
+            if not self._step_optional:
+                raise RuntimeError(
+                    f"rank {self.comm.rank}: engine.backward() called twice for one micro-batch; "
+                    "call engine.step() after each backward (sum the losses to backpropagate "
+                    "several)"
+                )
+            self._end_micro_batch()
         self.phase = Phase.BACKWARD
+        self._step_optional = self._no_sync or self._boundary is False
+        self._counted = not self._no_sync  # DeepSpeed: no_sync's micro-batches do not count
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
-        self.optimizer.start_backward(reduce=self.is_gradient_accumulation_boundary())
+        self._reduced = self.is_gradient_accumulation_boundary() and not self._no_sync
+        self.optimizer.start_backward(reduce=self._reduced)
         self.monitor.record_loss(loss)
         with self.monitor.timer("backward"):
             try:
@@ -397,12 +424,24 @@ class Engine(torch.nn.Module):
         optimizer on the owned shards, all-gather parameters, step the lr scheduler (not on a
         skipped step), and broadcast rank 0's floating-point buffers.
         """
+        if self._no_sync:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.step() inside engine.no_sync(); leave the "
+                "context first (its gradients are reduced by the first backward after it)"
+            )
         if self.phase is not Phase.BACKWARD:
             raise RuntimeError(
                 f"rank {self.comm.rank}: engine.step() called without engine.backward() for this "
                 "micro-batch"
             )
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and not self._reduced and self.config.zero.stage < 2:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.step() at a gradient accumulation boundary, but "
+                "the last backward did not reduce gradients (it ran inside engine.no_sync() or "
+                "before set_gradient_accumulation_boundary(True)); run the last micro-batch's "
+                "forward and backward outside no_sync, after setting the boundary"
+            )
         self._step_applied = False
         if boundary:
             self._check_no_unmanaged_gradients()
@@ -418,8 +457,46 @@ class Engine(torch.nn.Module):
             self.global_samples += self.config.train_batch_size
             self.comm.ledger.end_step()
             self.monitor.on_step(self)
-        self.micro_steps += 1
+        self._end_micro_batch()
+
+    def _end_micro_batch(self) -> None:
+        if self._counted:
+            self.micro_steps += 1
+        self._step_optional = False
         self.phase = Phase.IDLE
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, without reducing them, for the backwards inside;
+        DeepSpeed's engine.no_sync (DDP's meaning: the first backward after the context reduces
+        the sum). Only stages 0 and 1, whose ranks keep full gradients: stages 2 and 3 reduce
+        every micro-batch to partition them, so there it raises RuntimeError (as DeepSpeed).
+        Inside: engine.step() raises, and micro-batches are not counted toward
+        gradient_accumulation_steps; each backward ends its micro-batch without a step. Not a
+        collective; every rank must use it around the same micro-batches."""
+        stage = self.config.zero.stage
+        if stage >= 2:
+            raise RuntimeError(
+                f"engine.no_sync() cannot run under ZeRO stage {stage}: it partitions gradients "
+                "by reducing them in every backward; use gradient_accumulation_steps (or "
+                "set_gradient_accumulation_boundary), or stage 0 or 1"
+            )
+        if self._no_sync:
+            raise RuntimeError("engine.no_sync() contexts do not nest")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the next micro-batches end a gradient accumulation, overriding the
+        count of gradient_accumulation_steps; DeepSpeed's method of this name. With False, each
+        backward ends its micro-batch without engine.step(); set True before the last
+        micro-batch's forward, then backward and step() apply the update. The loss is still
+        divided by gradient_accumulation_steps from the config. Every rank must set the same
+        values (the reduction at the boundary is collective)."""
+        self._boundary = bool(is_boundary)
 
     def _check_no_unmanaged_gradients(self) -> None:
         """A parameter with a .grad at the step is one zero does not manage (its hook would have
@@ -569,6 +646,10 @@ class Engine(torch.nn.Module):
 
     # ----- DeepSpeed-compatible queries ---------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-batch ends a gradient accumulation: the value given to
+        set_gradient_accumulation_boundary, else every gradient_accumulation_steps-th."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def was_step_applied(self) -> bool:
@@ -645,6 +726,53 @@ class Engine(torch.nn.Module):
         from .memory import memory_report
 
         return memory_report(self)
+
+
+class ModelSnapshot:
+    """What Engine construction changes on a model, to put back when construction fails: every
+    module's and parameter's hook tables (zero adds forward, state_dict and gradient hooks), the
+    tensor each parameter holds (zero rebinds parameters to its flat buffers or, at stage 3,
+    releases them) and its attributes (a zero.Init shard is dropped once laid out). Tensors
+    are referenced, not copied."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = [(m, _hook_tables(m)) for m in model.modules()]
+        self.params = [
+            (p, p.data, p.grad, dict(vars(p)), _hook_tables(p))
+            for p in dict.fromkeys(model.parameters())
+        ]
+
+    def restore(self) -> None:
+        for module, tables in self.modules:
+            _set_hook_tables(module, tables)
+        for param, data, grad, attributes, tables in self.params:
+            param.data, param.grad = data, grad
+            vars(param).clear()
+            vars(param).update(attributes)
+            _set_hook_tables(param, tables)
+
+
+_TENSOR_HOOKS = ("_post_accumulate_grad_hooks", "_backward_hooks")
+
+
+def _hook_names(obj) -> list[str]:
+    if isinstance(obj, torch.Tensor):  # kept outside the instance __dict__, None until used
+        return [name for name in _TENSOR_HOOKS if isinstance(getattr(obj, name, None), dict)]
+    return [k for k, v in vars(obj).items() if "hook" in k and isinstance(v, dict)]
+
+
+def _hook_tables(obj) -> dict:
+    """Copies of the hook dictionaries torch keeps on a module (_forward_hooks,
+    _state_dict_pre_hooks, ...) or a tensor (_post_accumulate_grad_hooks, ...)."""
+    return {name: dict(getattr(obj, name)) for name in _hook_names(obj)}
+
+
+def _set_hook_tables(obj, tables: dict) -> None:
+    """Put back `tables` in place (a hook handle's remove() deletes from the same objects)."""
+    for name in _hook_names(obj):
+        table = getattr(obj, name)
+        table.clear()
+        table.update(tables.get(name, {}))
 
 
 def _fingerprint(model, config) -> int:

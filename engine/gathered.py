@@ -34,16 +34,16 @@ def register(optimizer) -> None:
             _OWNER[id(param)] = ref
 
 
+def owner(param):
+    """The ZeroOptimizer that lays out `param` (trainable, or a stage-3 frozen parameter), or
+    None when no live engine does (zero.utils reads shards through it)."""
+    ref = _OWNER.get(id(param))
+    return None if ref is None else ref()
+
+
 def laid_out_buckets(optimizer) -> list:
     """Every bucket of a ZeroOptimizer: trainable, and at stage 3 frozen ones too."""
     return optimizer.gatherer.buckets if optimizer.gatherer is not None else optimizer.buckets
-
-
-def owner(param):
-    """The ZeroOptimizer that lays out `param` (a trainable parameter, or a stage-3 frozen one),
-    or None."""
-    ref = _OWNER.get(id(param))
-    return None if ref is None else ref()
 
 
 class GatheredParameters:

@@ -195,6 +195,12 @@ class ZeroOptimizer:
         self._in_flight: deque[Bucket] = deque()
         self._names: dict[int, str] = {}
         self.buckets = self._build_buckets(named_groups)
+        # id(param) -> (bucket, index in bucket.params): zero.utils finds a parameter's shards
+        self._place = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        # The boundary micro-batch's reduced gradients are in the grad shards: from the end of
+        # its backward until step() / zero_grad() (zero.utils.safe_get_full_grad's window).
+        self.grads_reduced = False
+        self._at_boundary = False
         self._hooks = self._register_hooks()
         self._bind_optimizer()
 
@@ -327,9 +333,12 @@ class ZeroOptimizer:
 
     # ----- backward -----------------------------------------------------------------------
     def start_backward(self, reduce: bool) -> None:
-        """Begin a micro-batch's backward; `reduce` is true when its gradients are reduced now
-        (every micro-batch in stage 2, the last one before the optimizer step in stages 0/1)."""
+        """Begin a micro-batch's backward; `reduce` is true for the last micro-batch before the
+        optimizer step (the gradient accumulation boundary), whose gradients stages 0/1 reduce;
+        stages 2 and 3 reduce every micro-batch."""
         self._accepting_grads = True
+        self._at_boundary = reduce
+        self.grads_reduced = False
         self._reduce_this_micro_batch = reduce or self.settings.stage >= 2
         self._next_launch = 0
         for bucket in self.buckets:
@@ -448,6 +457,7 @@ class ZeroOptimizer:
         if pending is not None:
             pending.finish()
         self._first_reduce = False
+        self.grads_reduced = self._at_boundary
         if self.gatherer is not None:
             self.gatherer.release_all()
 
@@ -565,11 +575,18 @@ class ZeroOptimizer:
             if bucket.accum is not None:
                 bucket.accum.zero_()  # includes grad_shard in stages 0 and 1
         self._first_reduce = True
+        self.grads_reduced = False
 
     # ----- introspection ------------------------------------------------------------------
     @property
     def param_groups(self):
         return self.optimizer.param_groups
+
+    def locate(self, param) -> tuple[Bucket, int] | None:
+        """(bucket, index in bucket.params) of a parameter this optimizer trains; None for any
+        other tensor (frozen, empty, or another model's)."""
+        place = self._place.get(id(param))
+        return place if place is not None and place[0].params[place[1]] is param else None
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes per rank held for model states, by kind (parameters, gradients, master weights,

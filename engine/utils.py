@@ -1,4 +1,4 @@
-"""zero.utils: DeepSpeed's deepspeed.utils helpers for stage-3 leaf modules.
+"""zero.utils: DeepSpeed's deepspeed.utils helpers: stage-3 leaf modules, sharded state.
 
 A leaf module is gathered and released as one stage-3 fetch unit whatever its size, so the
 children it picks by data (the experts of a mixture of experts, which receive different tokens
@@ -9,10 +9,28 @@ zero.initialize (the fetch units are chosen there):
     engine, *_ = zero.initialize(model=model, config="configs/zero3.json")
 
 `zero_optimization.stage3_module_classes` (class names in the config) does the same.
+
+It also holds DeepSpeed's helpers for reading and writing a trained parameter's sharded state
+(docs/checkpoints.md, "Reading and writing sharded state"): the fp32 master weight, the reduced
+gradient and the optimizer state, whole (`safe_get_full_*`, `safe_set_full_*`; the getters
+all-gather at stages 1-3) or this rank's owned part (`safe_get_local_*`, `safe_set_local_*`).
+
+[Note: where a parameter's state lives]
+A trained parameter has a slot (offset, numel, shape) in one bucket of zero's flat buffers
+(engine/flat.py); rank r owns the slice `layout.owned_range(r)` of every bucket (stage 0: all of
+it). The bucket's `master` (fp32), `grad_shard` (fp32, the sum over ranks of loss-scaled
+gradients) and the optimizer state of `master` are shaped like that owned slice, so one helper
+serves every full getter: all-gather the bucket-shaped shard into the padded bucket, cut out the
+slot. A rank's local part is the slot's overlap with its owned slice (possibly empty).
 """
 
-import torch
+import zlib
+from typing import NamedTuple
 
+import torch
+import torch.distributed as dist
+
+from . import gathered
 from .stage3 import _LEAF_MODULES, is_leaf
 
 
@@ -65,3 +83,367 @@ def get_z3_leaf_modules(model: torch.nn.Module) -> list:
 def z3_leaf_module(model: torch.nn.Module) -> bool:
     """True when `model` itself is marked as a stage-3 leaf."""
     return is_leaf(model)
+
+
+# ----- sharded state (DeepSpeed's safe_get_full_* / safe_set_full_* / *_local_*) ---------------
+class _Target(NamedTuple):
+    """Where a trained parameter lives: its ZeroOptimizer, bucket and slot."""
+
+    optimizer: object
+    bucket: object
+    slot: object
+
+    @property
+    def rank(self) -> int:
+        return self.optimizer.comm.rank
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device (the gradient shard's; the master is on the host with offload)."""
+        return self.bucket.grad_shard.device
+
+
+def _target(param, caller: str) -> _Target:
+    """The trained parameter's place; ValueError for a frozen parameter or one no engine trains."""
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"zero.utils.{caller}: expected a parameter, not {type(param).__name__}")
+    optimizer = gathered.owner(param)
+    place = optimizer.locate(param) if optimizer is not None else None
+    if place is not None:
+        bucket, index = place
+        return _Target(optimizer, bucket, bucket.layout.slots[index])
+    where = f"rank {_rank(optimizer)}: "
+    what = _describe(param, optimizer)
+    if not param.requires_grad:
+        raise ValueError(
+            f"{where}zero.utils.{caller}: {what} is frozen (requires_grad=False): zero keeps no "
+            "fp32 master weight, gradient or optimizer state for it; read its value with "
+            "zero.GatheredParameters(param)"
+        )
+    raise ValueError(
+        f"{where}zero.utils.{caller}: {what} is not trained by any engine: pass a parameter "
+        "(with elements) of the model given to zero.initialize, after zero.initialize"
+    )
+
+
+def _rank(optimizer) -> int:
+    if optimizer is not None:
+        return optimizer.comm.rank
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _describe(param, optimizer) -> str:
+    """'parameter NAME' where zero knows the name (stage 3 lays out frozen ones too), else the
+    shape."""
+    buckets = optimizer.gatherer.buckets if optimizer is not None and optimizer.gatherer else []
+    for bucket in buckets:
+        for slot, other in zip(bucket.layout.slots, bucket.params):
+            if other is param:
+                return f"parameter '{slot.name}'"
+    return f"the parameter of shape {tuple(param.shape)}"
+
+
+def _owned(target: _Target) -> tuple[slice, slice]:
+    """(slice of the bucket shard, slice of the flattened parameter) of this rank's owned part
+    of the parameter; both empty when it owns none of it."""
+    bucket, slot = target.bucket, target.slot
+    layout = target.optimizer.layout
+    begin, end = bucket.layout.owned_range(layout.shard_of(target.rank))
+    lo, hi = max(begin, slot.offset), min(end, slot.offset + slot.numel)
+    if lo >= hi:
+        return slice(0, 0), slice(0, 0)
+    return slice(lo - begin, hi - begin), slice(lo - slot.offset, hi - slot.offset)
+
+
+def _full(target: _Target, shard: torch.Tensor, caller: str, key: str = "") -> torch.Tensor:
+    """The parameter's full value (shaped like it, on the compute device, a new tensor) from
+    every rank's bucket-shaped `shard` ((shard_numel,), any dtype): one all-gather of the bucket
+    over the data-parallel group when the bucket is sharded (collective, checked by _enter),
+    none at stage 0."""
+    optimizer, bucket, slot = target
+    shard = shard.to(target.device)
+    if optimizer.layout.num_shards == 1:
+        full = shard  # stage 0 or world size 1: this rank holds the whole bucket
+    else:
+        _enter(target, _GET, caller, key)
+        full = torch.empty(bucket.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        optimizer.comm.all_gather(full, shard)
+    return full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+
+
+def _local(target: _Target, shard: torch.Tensor) -> torch.Tensor:
+    """This rank's owned part of the parameter from its bucket-shaped `shard`: (n,), a copy on
+    the compute device."""
+    return shard[_owned(target)[0]].to(target.device, copy=True)
+
+
+def _reduced_grad(target: _Target, caller: str) -> torch.Tensor:
+    """(shard_numel,) fp32: the owned gradient shard averaged over ranks, loss scale removed
+    (what the optimizer step receives before clipping). RuntimeError outside the window."""
+    optimizer = target.optimizer
+    if not optimizer.grads_reduced:
+        raise RuntimeError(
+            f"rank {target.rank}: zero.utils.{caller}('{target.slot.name}') is valid only "
+            "between engine.backward() of the micro-batch at the gradient accumulation boundary "
+            "and engine.step(): only then are the reduced gradients complete (before, a rank "
+            "holds its own partial sums; after, the step has consumed them)"
+        )
+    # The shard holds the sum over ranks of loss-scaled gradients; step() multiplies the same way.
+    return target.bucket.grad_shard * (1.0 / (optimizer.comm.world_size * optimizer.scaler.scale))
+
+
+def _state(target: _Target, key: str, caller: str):
+    """The optimizer state `key` of the parameter's bucket shard. KeyError naming the keys that
+    exist (the same on every rank) when there is no such state."""
+    optimizer = target.optimizer.optimizer
+    state = optimizer.state.get(target.bucket.master, {})
+    if key not in state:
+        when = "" if state else " (the first optimizer step creates it)"
+        raise KeyError(
+            f"rank {target.rank}: zero.utils.{caller}: {type(optimizer).__name__} has no state "
+            f"'{key}' for parameter '{target.slot.name}'{when}; it has {sorted(state)}"
+        )
+    return state[key]
+
+
+def _is_sharded(target: _Target, value) -> bool:
+    """True for per-element state (shaped like the bucket shard), False for a scalar (step)."""
+    return torch.is_tensor(value) and value.shape == target.bucket.master.shape
+
+
+def _as_is(value):
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _full_value(target: _Target, value, caller: str) -> torch.Tensor:
+    """`value` (the full parameter's shape) as (numel,) fp32 on the compute device."""
+    if not torch.is_tensor(value):
+        raise TypeError(f"zero.utils.{caller}: value must be a tensor, not {type(value).__name__}")
+    if tuple(value.shape) != target.slot.shape:
+        raise ValueError(
+            f"rank {target.rank}: zero.utils.{caller}: value of shape {tuple(value.shape)} for "
+            f"parameter '{target.slot.name}' of shape {target.slot.shape}; pass the full value"
+        )
+    return value.detach().to(device=target.device, dtype=torch.float32).reshape(-1)
+
+
+def _local_value(target: _Target, value, caller: str) -> torch.Tensor:
+    """`value` (this rank's owned part) as (n,) fp32 on the compute device."""
+    if not torch.is_tensor(value):
+        raise TypeError(f"zero.utils.{caller}: value must be a tensor, not {type(value).__name__}")
+    part = _owned(target)[0]
+    numel = part.stop - part.start
+    if value.numel() != numel:
+        raise ValueError(
+            f"rank {target.rank}: zero.utils.{caller}: value of {value.numel()} elements for "
+            f"parameter '{target.slot.name}', of which this rank owns {numel}; pass what "
+            "safe_get_local_fp32_param(param) returns on this rank, changed"
+        )
+    return value.detach().to(device=target.device, dtype=torch.float32).reshape(-1)
+
+
+def _enter(target: _Target, method: str, caller: str, key: str, flat=None) -> None:
+    """Check that every rank calls `method` (a comm.METHODS entry) now, for the same parameter
+    and state key and, for a setter, the same value (a crc32 of its fp32 bytes): otherwise every
+    rank raises RankMismatchError before any collective or write. Collective at world size > 1."""
+    comm = target.optimizer.comm
+    if comm.agreement is None or comm.world_size == 1:
+        return
+    crc = zlib.crc32(repr((caller, target.slot.name, key)).encode())
+    if flat is not None:
+        crc = zlib.crc32(flat.cpu().numpy().tobytes(), crc)
+    comm.agreement.enter(method, crc)
+
+
+_GET = "zero.utils.safe_get_full_* (an all-gather of one parameter)"
+_SET = "zero.utils.safe_set_full_* (every rank passes the same value)"
+
+
+def _write_params(target: _Target, owned: torch.Tensor, full: torch.Tensor | None) -> None:
+    """Write the low-precision parameter the forward reads: this rank's owned part `owned` into
+    its parameter shard and, with `full` (the whole value), the whole parameter where this rank
+    holds it (stages 0-2: always, a view of the flat buffer; stage 3: while its unit is
+    gathered); stage 3 without `full`: the owned part of the gathered copy."""
+    bucket, slot = target.bucket, target.slot
+    part = _owned(target)[0]
+    bucket.param_shard[part].copy_(owned)
+    buffer = bucket.param_buffer
+    if buffer is None:
+        return
+    if bucket.pending is not None:
+        bucket.pending.wait()  # a stage-3 prefetch in flight lands before the write
+    if full is not None:
+        buffer[slot.offset : slot.offset + slot.numel].copy_(full)
+    elif target.optimizer.settings.stage == 3:
+        begin, _ = bucket.layout.owned_range(target.optimizer.layout.shard_of(target.rank))
+        buffer[begin + part.start : begin + part.stop].copy_(owned)
+
+
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """The full fp32 master weight of a trained parameter: a new fp32 tensor shaped like the
+    parameter (its full shape at stage 3), on the compute device. DeepSpeed's
+    deepspeed.utils.safe_get_full_fp32_param.
+
+    Collective at stages 1-3 (an all-gather over the data-parallel group): every rank must call
+    it, for the same parameters in the same order; none at stage 0 or world size 1. Raises
+    ValueError for a frozen parameter or one no engine trains.
+    """
+    target = _target(param, "safe_get_full_fp32_param")
+    return _full(target, target.bucket.master, "safe_get_full_fp32_param")
+
+
+def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """The full reduced gradient of a trained parameter: a new fp32 tensor shaped like the
+    parameter, averaged over the data-parallel ranks and micro-batches, loss scale removed;
+    what the optimizer step receives before gradient clipping. DeepSpeed's
+    deepspeed.utils.safe_get_full_grad.
+
+    Valid between engine.backward() of the micro-batch at the gradient accumulation boundary and
+    engine.step(); raises RuntimeError at any other time (on every rank alike, before any
+    collective). Collective at stages 1-3 like safe_get_full_fp32_param. Raises ValueError for a
+    frozen parameter or one no engine trains.
+    """
+    target = _target(param, "safe_get_full_grad")
+    return _full(target, _reduced_grad(target, "safe_get_full_grad"), "safe_get_full_grad")
+
+
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str):
+    """The optimizer state `optim_state_key` ("exp_avg", "exp_avg_sq" for Adam) of a trained
+    parameter: a new tensor shaped like the parameter, in the state's dtype (fp32); a scalar
+    state ("step", shared by the parameter's bucket) is returned as it is (a copy). DeepSpeed's
+    deepspeed.utils.safe_get_full_optimizer_state.
+
+    Collective at stages 1-3 for per-element state, like safe_get_full_fp32_param. Raises
+    KeyError naming the keys that exist when there is no such state (none before the first
+    optimizer step; the same on every rank, before any collective), ValueError for a frozen
+    parameter or one no engine trains.
+    """
+    caller = "safe_get_full_optimizer_state"
+    target = _target(param, caller)
+    value = _state(target, optim_state_key, caller)
+    if not _is_sharded(target, value):
+        return _as_is(value)
+    return _full(target, value, "safe_get_full_optimizer_state", optim_state_key)
+
+
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set a trained parameter's fp32 master weight to `value` (the full parameter's shape, any
+    floating dtype, any device). Each rank writes its owned slice into its master weights, and
+    the low-precision parameter the forward reads takes `value` cast to the compute dtype
+    (stages 0-2: the whole parameter; stage 3: this rank's parameter shard, and the gathered
+    parameter if its unit is gathered now). The next optimizer step starts from it. DeepSpeed's
+    deepspeed.utils.safe_set_full_fp32_param.
+
+    Every rank must call it with the same value (world size > 1: an agreement check compares a
+    checksum of it; zero.RankMismatchError on every rank when the values differ, nothing
+    written). Raises ValueError for a wrong shape, a frozen parameter or one no engine trains.
+    """
+    caller = "safe_set_full_fp32_param"
+    target = _target(param, caller)
+    flat = _full_value(target, value, caller)
+    _enter(target, _SET, caller, "", flat)
+    shard_part, param_part = _owned(target)
+    with torch.no_grad():
+        target.bucket.master[shard_part].copy_(flat[param_part])
+        _write_params(target, flat[param_part], flat)
+
+
+def safe_set_full_optimizer_state(
+    param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str
+) -> None:
+    """Set a trained parameter's per-element optimizer state `optim_state_key` ("exp_avg",
+    "exp_avg_sq") to `value` (the full parameter's shape): each rank writes its owned slice.
+    DeepSpeed's deepspeed.utils.safe_set_full_optimizer_state.
+
+    Every rank must call it with the same value (checked as for safe_set_full_fp32_param).
+    Raises KeyError when the state does not exist (before the first optimizer step),
+    ValueError for a scalar state (it is shared by the parameter's whole bucket), a wrong
+    shape, a frozen parameter or one no engine trains.
+    """
+    caller = "safe_set_full_optimizer_state"
+    target = _target(param, caller)
+    state = _writable_state(target, optim_state_key, caller)
+    flat = _full_value(target, value, caller)
+    _enter(target, _SET, caller, optim_state_key, flat)
+    shard_part, param_part = _owned(target)
+    with torch.no_grad():
+        state[shard_part].copy_(flat[param_part])
+
+
+def _writable_state(target: _Target, key: str, caller: str) -> torch.Tensor:
+    state = _state(target, key, caller)
+    if not _is_sharded(target, state):
+        raise ValueError(
+            f"rank {target.rank}: zero.utils.{caller}: state '{key}' of parameter "
+            f"'{target.slot.name}' is a scalar shared by every parameter of its bucket; only "
+            "per-element state (shaped like the parameter) can be set per parameter"
+        )
+    return state
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's owned part of a trained parameter's fp32 master weight: a new 1-D fp32
+    tensor of n elements (0 when this rank owns none of it; the whole parameter, flattened, at
+    stage 0 or world size 1) on the compute device; the ranks' parts in rank order make up the
+    flattened parameter. Not a collective. DeepSpeed's deepspeed.utils.safe_get_local_fp32_param.
+    Raises ValueError for a frozen parameter or one no engine trains."""
+    target = _target(param, "safe_get_local_fp32_param")
+    return _local(target, target.bucket.master)
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's owned part of the reduced gradient (as safe_get_full_grad: averaged, loss
+    scale removed): a new 1-D fp32 tensor, the part safe_get_local_fp32_param covers. Not a
+    collective; valid in safe_get_full_grad's window, RuntimeError outside it. DeepSpeed's
+    deepspeed.utils.safe_get_local_grad."""
+    target = _target(param, "safe_get_local_grad")
+    return _local(target, _reduced_grad(target, "safe_get_local_grad"))
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str):
+    """This rank's owned part of per-element optimizer state: a new 1-D tensor (the part
+    safe_get_local_fp32_param covers); a scalar state is returned as it is (a copy). Not a
+    collective. Raises KeyError as safe_get_full_optimizer_state. DeepSpeed's
+    deepspeed.utils.safe_get_local_optimizer_state."""
+    caller = "safe_get_local_optimizer_state"
+    target = _target(param, caller)
+    value = _state(target, optim_state_key, caller)
+    return _local(target, value) if _is_sharded(target, value) else _as_is(value)
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set this rank's owned part of a trained parameter's fp32 master weight to `value` (n
+    elements, n = safe_get_local_fp32_param(param).numel()), and the same part of this rank's
+    low-precision parameter (cast to the compute dtype). Not a collective; ranks pass
+    different values (their own parts). DeepSpeed's deepspeed.utils.safe_set_local_fp32_param.
+
+    What the other ranks see: stages 1 and 2 keep a full copy of the parameter on every rank,
+    and the other ranks' copies take this rank's part at the next optimizer step's all-gather
+    (which all-gathers the updated masters); until then only this rank's copy has it. Stage 3:
+    the next all-gather of the parameter's unit brings it to every rank. Stage 0: every rank
+    owns the whole parameter, so every rank must set the same value or the ranks diverge.
+    Raises ValueError for a wrong number of elements, a frozen parameter or one no engine
+    trains.
+    """
+    caller = "safe_set_local_fp32_param"
+    target = _target(param, caller)
+    owned = _local_value(target, value, caller)
+    with torch.no_grad():
+        target.bucket.master[_owned(target)[0]].copy_(owned)
+        _write_params(target, owned, None)
+
+
+def safe_set_local_optimizer_state(
+    param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str
+) -> None:
+    """Set this rank's owned part of per-element optimizer state `optim_state_key` to `value`
+    (n elements, as safe_set_local_fp32_param). Not a collective. DeepSpeed's
+    deepspeed.utils.safe_set_local_optimizer_state. Raises KeyError when the state does not
+    exist, ValueError for a scalar state, a wrong number of elements, a frozen parameter or
+    one no engine trains."""
+    caller = "safe_set_local_optimizer_state"
+    target = _target(param, caller)
+    state = _writable_state(target, optim_state_key, caller)
+    owned = _local_value(target, value, caller)
+    with torch.no_grad():
+        state[_owned(target)[0]].copy_(owned)

@@ -282,12 +282,53 @@ def _launch_config(args: argparse.Namespace, work_dir: str) -> LaunchConfig:
     )
 
 
-def first_failure(error: ChildFailedError, args: argparse.Namespace) -> RankFailure:
-    """The failure to report from a ChildFailedError: earliest first; at equal (1 s resolution)
-    timestamps, a rank that exited on its own beats one killed by a signal, then lowest rank."""
+class ExitClock:
+    """When each rank process of this node exited, to the microsecond. [Note: the rank that
+    failed first]
+
+    The elastic agent stamps failures with a time of 1 s resolution and, once one rank fails,
+    sends SIGTERM to the others, so a survivor it ended looks as failed as the rank that died
+    (rank 1 SIGKILLed from outside, rank 0 then SIGTERMed by the agent: both within a second).
+    A thread finds the agent's children as they start; one thread per child waits for its exit
+    with waitid(WEXITED | WNOWAIT), which leaves the process for the elastic agent to reap, and
+    records the moment. The agent only signals survivors after it saw a failure, so the
+    earliest exit is the rank that failed first."""
+
+    def __init__(self, num_ranks: int):
+        self.exited: dict[int, float] = {}  # pid -> time.monotonic() at exit
+        self._num_ranks = num_ranks
+        threading.Thread(target=self._find_children, daemon=True).start()
+
+    def _find_children(self) -> None:
+        me, watched = psutil.Process(), set()
+        while len(watched) < self._num_ranks:  # the ranks are the agent's first children
+            for child in me.children():
+                if child.pid not in watched:
+                    watched.add(child.pid)
+                    threading.Thread(target=self._wait, args=(child.pid,), daemon=True).start()
+            time.sleep(0.005)
+
+    def _wait(self, pid: int) -> None:
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # already reaped: its exit time is unknown
+            return
+        self.exited[pid] = time.monotonic()
+
+
+def first_failure(error: ChildFailedError, args: argparse.Namespace, clock=None) -> RankFailure:
+    """The failure to report from a ChildFailedError: the earliest exit on `clock` (an
+    ExitClock); without a time, the earliest (1 s resolution) timestamp, then a rank that exited
+    on its own before one killed by a signal, then the lowest rank."""
+    exited = clock.exited if clock is not None else {}
     rank, failure = min(
         error.failures.items(),
-        key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0]),
+        key=lambda item: (
+            exited.get(item[1].pid, float("inf")),
+            item[1].timestamp,
+            item[1].exitcode < 0,
+            item[0],
+        ),
     )
     return RankFailure(rank, failure.local_rank, args.node_rank, args.node_name, failure.exitcode)
 
@@ -300,10 +341,11 @@ def run_ranks(args: argparse.Namespace, work_dir: str) -> int:
     """
     _quiet_elastic_logs(args.verbose)
     command = rank_command(args, macros.local_rank)
+    clock = ExitClock(args.nproc_per_node)
     try:
         elastic_launch(_launch_config(args, work_dir), command[0])(*command[1:])
     except ChildFailedError as error:
-        failure = first_failure(error, args)
+        failure = first_failure(error, args, clock)
         print(f"zrun: {failure.describe()}", file=sys.stderr, flush=True)
         return failure.process_exit_code
     except SignalException as error:

@@ -105,7 +105,10 @@ def resource_pool(args: argparse.Namespace) -> ResourcePool:
         hostfile = DEFAULT_HOSTFILE
     if hostfile is not None:
         pool = {host: list(range(n)) for host, n in parse_hostfile(hostfile).items()}
-        return select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
+        source = f"the hostfile '{hostfile}'"
+        return select_resources(
+            pool, args.include, args.exclude, args.num_nodes, args.num_gpus, source
+        )
     if args.launcher == "slurm" and "SLURM_JOB_NODELIST" in os.environ:
         return _slurm_pool(args)
     if args.no_ssh and args.num_nodes is not None:
@@ -115,7 +118,9 @@ def resource_pool(args: argparse.Namespace) -> ResourcePool:
     if args.num_gpus is not None and args.num_gpus <= 0:
         raise ValueError(f"--num_gpus must be > 0, got {args.num_gpus}")
     num_slots = args.num_gpus or local_device_count()
-    return select_resources({"localhost": list(range(num_slots))}, args.include, args.exclude)
+    pool = {"localhost": list(range(num_slots))}
+    source = f"this machine (no hostfile given: 'localhost' with {num_slots} slot(s))"
+    return select_resources(pool, args.include, args.exclude, source=source)
 
 
 def local_device_count() -> int:
@@ -130,7 +135,8 @@ def _slurm_pool(args: argparse.Namespace) -> ResourcePool:
     num_slots = args.num_gpus or local_device_count()
     hosts = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
     pool = {host: list(range(num_slots)) for host in hosts}
-    return select_resources(pool, args.include, args.exclude, args.num_nodes)
+    source = "the SLURM allocation (SLURM_JOB_NODELIST)"
+    return select_resources(pool, args.include, args.exclude, args.num_nodes, source=source)
 
 
 def _numbered_pool(args: argparse.Namespace) -> ResourcePool:

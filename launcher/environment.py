@@ -10,6 +10,8 @@ get an argument vector, so spaces, quotes, '$', '=', parentheses and JSON are ne
 import os
 import re
 
+from .hostfile import decode_lines
+
 # Variables of the head's environment that every node gets (DeepSpeed exports a similar list).
 EXPORT_PREFIXES = (
     "PYTHON",
@@ -43,8 +45,8 @@ def read_env_file(path: str) -> dict[str, str]:
         ValueError: a line without '=' or with an invalid name; quotes the file and line number.
     """
     result: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    with open(path, "rb") as f:
+        lines = decode_lines(f.read(), f"'{path}'")
     for line_number, line in enumerate(lines, start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue

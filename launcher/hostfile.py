@@ -14,6 +14,9 @@ import re
 DEFAULT_HOSTFILE = "/job/hostfile"
 
 _SLOTS_RE = re.compile(r"^slots=(\S+)$")
+# What a host name may contain: it goes into ssh/pdsh command lines, the agents' node list
+# ("host:0,1@host2:0,1") and --include/--exclude, where "@", ":" and "," are separators.
+_HOST_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 # No machine has more accelerators than this; a larger count is a typo, and building its slot
 # list would exhaust memory (or overflow) instead of giving a readable error.
@@ -35,8 +38,8 @@ def parse_hostfile(path: str) -> dict[str, int]:
         raise ValueError(f"hostfile '{path}' is a directory; give the path of a hostfile")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"hostfile '{path}' does not exist")
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    with open(path, "rb") as f:
+        lines = decode_lines(f.read(), f"hostfile '{path}'")
     hosts: dict[str, int] = {}
     first_line: dict[str, int] = {}
     for line_number, line in enumerate(lines, start=1):
@@ -59,8 +62,9 @@ def _parse_line(content: str, path: str, line_number: int, line: str) -> tuple[s
     if len(fields) != 2:
         raise _line_error(path, line_number, line, "expected 'hostname slots=N'")
     host, slots_field = fields
-    if host.startswith("-"):
-        raise _line_error(path, line_number, line, f"host name '{host}' starts with '-'")
+    problem = host_name_problem(host)
+    if problem:
+        raise _line_error(path, line_number, line, problem)
     match = _SLOTS_RE.match(slots_field)
     if match is None:
         raise _line_error(path, line_number, line, "missing 'slots=N'" + _slots_hint(slots_field))
@@ -76,6 +80,40 @@ def _parse_line(content: str, path: str, line_number: int, line: str) -> tuple[s
         reason = f"slots must be <= {MAX_SLOTS_PER_HOST} (slots per host), got {num_slots}"
         raise _line_error(path, line_number, line, reason)
     return host, num_slots
+
+
+def decode_lines(data: bytes, what: str) -> list[str]:
+    """The lines of a UTF-8 text file's bytes. Raises ValueError naming `what` and the first
+    line that is not UTF-8 (a hostfile saved in another encoding, or a binary file)."""
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        for line_number, raw in enumerate(data.splitlines(), start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{what} line {line_number} is not UTF-8 text (byte 0x{raw[error.start]:02x} "
+                    f"at column {error.start + 1}); save the file as UTF-8"
+                ) from None
+        raise
+
+
+def host_name_problem(host: str) -> str | None:
+    """Why `host` cannot be a node's name, or None when it can."""
+    if _HOST_RE.match(host):
+        return None
+    if host.startswith("-"):
+        return f"host name '{host}' starts with '-'"
+    if "@" in host:
+        return (
+            f"host name '{host}' contains '@': give the host only and set the ssh user in "
+            "~/.ssh/config (User)"
+        )
+    return (
+        f"host name '{host}' may contain only letters, digits, '.', '-' and '_' (and not "
+        "start with '.')"
+    )
 
 
 def _slots_hint(field: str) -> str:
@@ -100,12 +138,17 @@ def parse_host_filter(spec: str, flag: str) -> dict[str, list[int] | None]:
     """
     result: dict[str, list[int] | None] = {}
     for entry in spec.split("@"):
-        host, _, slots = entry.strip().partition(":")
+        host, colon, slots = entry.strip().partition(":")
         if not host:
             raise ValueError(f"{flag} '{spec}': empty host in entry '{entry}'")
         if host in result:
             raise ValueError(f"{flag} '{spec}': host '{host}' appears twice")
-        result[host] = _parse_slot_ids(slots, spec, flag) if slots else None
+        if colon and not slots.strip():
+            raise ValueError(
+                f"{flag} '{spec}': no slot ids after '{host}:'; write '{host}' for all its "
+                f"slots or '{host}:0,1' for some"
+            )
+        result[host] = _parse_slot_ids(slots, spec, flag) if colon else None
     return result
 
 
@@ -125,11 +168,13 @@ def select_resources(
     exclude: str | None = None,
     num_nodes: int | None = None,
     num_gpus: int | None = None,
+    source: str = "the hostfile",
 ) -> ResourcePool:
     """Narrow a resource pool; the hostfile order is kept.
 
     ``include`` keeps only the named hosts (and slots), ``exclude`` drops them; ``num_nodes``
-    keeps the first N hosts, ``num_gpus`` the first N slots of each host.
+    keeps the first N hosts, ``num_gpus`` the first N slots of each host. ``source`` says where
+    the pool came from, in messages ("the hostfile", "this machine (no hostfile)", ...).
 
     Raises:
         ValueError: include and exclude given together, either combined with num_nodes or
@@ -144,9 +189,9 @@ def select_resources(
     if (include or exclude) and (num_nodes is not None or num_gpus is not None):
         raise ValueError("--include/--exclude cannot be combined with --num_nodes/--num_gpus")
     if include:
-        pool = _apply_include(pool, parse_host_filter(include, "--include"))
+        pool = _apply_include(pool, parse_host_filter(include, "--include"), source)
     elif exclude:
-        pool = _apply_exclude(pool, parse_host_filter(exclude, "--exclude"))
+        pool = _apply_exclude(pool, parse_host_filter(exclude, "--exclude"), source)
     if num_nodes is not None:
         pool = _first_nodes(pool, num_nodes)
     if num_gpus is not None:
@@ -156,17 +201,17 @@ def select_resources(
     return pool
 
 
-def _check_known(pool: ResourcePool, host_filter: dict[str, list[int] | None], flag: str) -> None:
+def _check_known(pool: ResourcePool, host_filter, flag: str, source: str) -> None:
     for host, slot_ids in host_filter.items():
         if host not in pool:
-            raise ValueError(f"{flag}: host '{host}' is not in the hostfile {list(pool)}")
+            raise ValueError(f"{flag}: host '{host}' is not in {source}: hosts {list(pool)}")
         unknown = sorted(set(slot_ids or []) - set(pool[host]))
         if unknown:
             raise ValueError(f"{flag}: host '{host}' has no slot {unknown}; slots {pool[host]}")
 
 
-def _apply_include(pool: ResourcePool, host_filter: dict[str, list[int] | None]) -> ResourcePool:
-    _check_known(pool, host_filter, "--include")
+def _apply_include(pool: ResourcePool, host_filter, source: str) -> ResourcePool:
+    _check_known(pool, host_filter, "--include", source)
     return {
         host: sorted(set(host_filter[host])) if host_filter[host] else list(slot_ids)
         for host, slot_ids in pool.items()
@@ -174,8 +219,8 @@ def _apply_include(pool: ResourcePool, host_filter: dict[str, list[int] | None])
     }
 
 
-def _apply_exclude(pool: ResourcePool, host_filter: dict[str, list[int] | None]) -> ResourcePool:
-    _check_known(pool, host_filter, "--exclude")
+def _apply_exclude(pool: ResourcePool, host_filter, source: str) -> ResourcePool:
+    _check_known(pool, host_filter, "--exclude", source)
     result: ResourcePool = {}
     for host, slot_ids in pool.items():
         if host in host_filter and host_filter[host] is None:

@@ -1,6 +1,7 @@
 """Tests for zero.config: loading, validation messages, batch derivation, "auto", deprecations."""
 
 import json
+import logging
 import warnings
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pydantic
 import pytest
 import torch
 
-from zero.config import Config, ConfigError, load_config
+from zero.config import Config, ConfigError, load_config, settings_without_effect
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))
 MICRO = {"train_micro_batch_size_per_gpu": 4}
@@ -557,9 +558,46 @@ def test_unsupported_block_warns_once():
     assert config.pipeline["stages"] == 2
 
 
-def test_zero_plus_plus_keys_warn():
-    with pytest.warns(UserWarning, match="zero_quantized_gradients"):
-        load({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+ZERO_PLUS_PLUS = {
+    "zero_hpz_partition_size": (8, "1"),
+    "zero_quantized_weights": (True, "false"),
+    "zero_quantized_nontrainable_weights": (True, "false"),
+    "zero_quantized_gradients": (True, "false"),
+    "mics_shard_size": (4, "-1"),
+    "mics_hierarchical_params_gather": (True, "false"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(ZERO_PLUS_PLUS))
+def test_zero_plus_plus_key_set_is_an_error_naming_it(key):
+    value, default = ZERO_PLUS_PLUS[key]
+    message = error_of({"zero_optimization": {"stage": 3, key: value}})
+    assert f"zero_optimization.{key} = {json.dumps(value)}" in message
+    assert "ZeRO++ / MiCS" in message
+    assert f"set it to the default ({key}: {default})" in message
+
+
+def test_zero_plus_plus_keys_set_together_are_one_error():
+    message = error_of(
+        {"zero_optimization": {"zero_quantized_weights": True, "mics_shard_size": 2}}
+    )
+    assert "zero_optimization.zero_quantized_weights = true" in message
+    assert "zero_optimization.mics_shard_size = 2" in message
+    assert "Remove the keys or set them to the default" in message
+
+
+def test_zero_plus_plus_keys_at_defaults_load_quietly():
+    defaults = {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False}
+    defaults.update(
+        zero_quantized_nontrainable_weights=False,
+        zero_quantized_gradients=False,
+        mics_shard_size=-1,
+        mics_hierarchical_params_gather=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = load({"zero_optimization": defaults})
+    assert config.zero.mics_shard_size == -1 and not config.zero.zero_quantized_weights
 
 
 # ---- "auto" ----------------------------------------------------------------------------------
@@ -626,13 +664,136 @@ def test_auto_batch_key_derivable_counts_as_absent():
             {**MICRO, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
             "optimizer.params.lr",
         ),
-        ({**MICRO, "zero_optimization": {"reduce_bucket_size": "auto"}}, "reduce_bucket_size"),
         ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
         ({**MICRO, "gradient_clipping": "auto"}, "gradient_clipping"),
+        ({**MICRO, "fp16": {"enabled": "auto"}}, "fp16.enabled"),
+        ({**MICRO, "bf16": {"enabled": "auto"}}, "bf16.enabled"),
+        ({**MICRO, "zero_optimization": {"stage": "auto"}}, "zero_optimization.stage"),
+        (
+            {**MICRO, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "auto"}}},
+            "zero_optimization.offload_optimizer.device",
+        ),
+        (
+            {**MICRO, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
+            "scheduler.params.warmup_max_lr",
+        ),
     ],
 )
 def test_unresolved_auto_is_error(source, key):
     with pytest.raises(ConfigError) as info:
         load_config(source)
     message = str(info.value)
-    assert key in message and "zero.initialize" in message
+    assert f"'{key}'" in message and "zero.initialize" in message
+
+
+# Hugging Face's ds_config_zero3.json with the sizes it (or Accelerate) fills set to "auto".
+HF_AUTO_SIZES = {
+    "stage": 3,
+    "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+    "allgather_bucket_size": "auto",
+    "sub_group_size": "auto",
+    "stage3_max_live_parameters": "auto",
+    "stage3_max_reuse_distance": "auto",
+    "stage3_gather_16bit_weights_on_model_save": "auto",
+}
+
+
+def test_auto_sizes_without_hidden_size_take_defaults_in_one_line(zero_log):
+    zero = load({"zero_optimization": HF_AUTO_SIZES}).zero
+    fields = type(zero).model_fields
+    auto = [k for k in HF_AUTO_SIZES if k != "stage"]
+    for key in auto:
+        assert getattr(zero, key) == fields[key].default, key
+    assert zero.reduce_bucket_size == 500_000_000 and zero.stage3_prefetch_bucket_size == 50_000_000
+    assert len(zero_log) == 1
+    (line,) = zero_log
+    assert "no model hidden size" in line
+    for key in auto:
+        assert f"zero_optimization.{key}={json.dumps(fields[key].default)}" in line
+
+
+def test_auto_defaults_with_hidden_size_fill_the_rest(zero_log):
+    zero = load(
+        {"zero_optimization": {"reduce_bucket_size": "auto", "stage3_max_live_parameters": "auto"}},
+        auto_values={"hidden_size": 64},
+    ).zero
+    assert zero.reduce_bucket_size == 64 * 64
+    assert zero.stage3_max_live_parameters == 1_000_000_000
+    assert len(zero_log) == 1
+    assert "zero_optimization.stage3_max_live_parameters=1000000000" in zero_log[0]
+    assert "reduce_bucket_size" not in zero_log[0] and "hidden size" not in zero_log[0]
+
+
+def test_auto_defaults_line_goes_to_notes_when_asked(zero_log):
+    notes = []
+    load({"zero_optimization": {"reduce_bucket_size": "auto"}}, notes=notes)
+    assert zero_log == []
+    assert len(notes) == 1 and "zero_optimization.reduce_bucket_size=500000000" in notes[0]
+
+
+def test_auto_lr_beside_auto_sizes_still_fails_naming_lr(zero_log):
+    source = {
+        **MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "zero_optimization": {"reduce_bucket_size": "auto"},
+    }
+    with pytest.raises(ConfigError, match=r"'optimizer\.params\.lr' is \"auto\""):
+        load_config(source)
+    assert zero_log == []
+
+
+# ---- lines zero.initialize says once ---------------------------------------------------------
+
+
+@pytest.fixture
+def bare_zero_logger():
+    """The "zero" logger as a fresh process has it: no handler (so initialize adds its own),
+    level unset, propagating (so pytest attaches no capture handler to it either)."""
+    logger = logging.getLogger("zero")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    logger.handlers.clear()
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
+    yield logger
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
+def tiny_config(**extra) -> dict:
+    return {**MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
+
+
+def test_initialize_shows_the_auto_defaults_line_at_rank_0(bare_zero_logger, capsys):
+    import zero
+
+    cfg = tiny_config(zero_optimization={"stage": 2, "reduce_bucket_size": "auto"})
+    engine, _, _, _ = zero.initialize(model=torch.nn.Linear(3, 3), config=cfg)
+    assert engine.config.zero.reduce_bucket_size == 500_000_000
+    lines = [line for line in capsys.readouterr().err.splitlines() if '"auto"' in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("[zero rank 0] ")
+    assert "zero_optimization.reduce_bucket_size=500000000" in lines[0]
+
+
+def test_partition_activations_without_model_parallelism_says_so_once(zero_log):
+    import zero
+    from zero import checkpointing
+
+    cfg = tiny_config(activation_checkpointing={"partition_activations": True})
+    try:
+        zero.initialize(model=torch.nn.Linear(3, 3), config=cfg)
+    finally:
+        checkpointing.configure(None)  # back to defaults for the rest of this process
+    lines = [m for m in zero_log if "partition_activations" in m]
+    assert len(lines) == 1
+    assert "no effect without model parallelism" in lines[0]
+
+
+def test_settings_without_effect_only_without_model_parallelism():
+    config = load({"activation_checkpointing": {"partition_activations": True}})
+    assert len(settings_without_effect(config, model_parallel_world_size=1)) == 1
+    assert settings_without_effect(config, model_parallel_world_size=2) == []
+    assert settings_without_effect(load({}), model_parallel_world_size=1) == []

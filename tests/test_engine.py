@@ -200,3 +200,38 @@ def test_stage3_state_dict_needs_gathering_enabled():
     engine.backward(engine(torch.randn(2, 5)))
     engine.step()
     assert engine.global_steps == 1 and engine.module.a.weight.numel() == 0
+
+
+def _train_once(model, cfg, optimizer=None):
+    engine, *_ = zero.initialize(model=model, config=cfg, optimizer=optimizer)
+    torch.manual_seed(3)
+    engine.backward(engine(torch.randn(2, 5)))
+    engine.step()
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_failed_initialize_leaves_the_model_as_it_found_it(stage):
+    """A misspelled scheduler parameter, or an optimizer zero cannot run, fails initialize;
+    the model keeps its values, has no hook of zero's, and a corrected retry trains exactly as
+    a fresh model does (it failed at the first backward with a misleading message)."""
+    cfg = base_config(zero_optimization={"stage": stage}, gradient_accumulation_steps=1)
+    torch.manual_seed(0)
+    expected = _train_once(Tiny(), cfg)
+    bad_scheduler = dict(cfg, scheduler={"type": "WarmupLR", "params": {"warmup_num_step": 3}})
+    for build in (
+        lambda m: zero.initialize(model=m, config=bad_scheduler),
+        lambda m: zero.initialize(model=m, config=cfg, optimizer=torch.optim.LBFGS(m.parameters())),
+    ):
+        torch.manual_seed(0)
+        model = Tiny()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises((ValueError, NotImplementedError)):
+            build(model)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+        for module in model.modules():
+            assert not module._forward_pre_hooks and not module._state_dict_pre_hooks
+        got = _train_once(model, cfg)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))

@@ -42,6 +42,9 @@ def test_parse_good_hostfile_keeps_order_and_skips_comments(tmp_path):
         ("worker-1 lots=2", "did you mean 'slots=2' instead of 'lots=2'?"),
         ("worker-1 slot=2", "did you mean 'slots=2'"),
         ("-oProxyCommand=x slots=2", "starts with '-'"),
+        ("alice@worker-1 slots=2", "contains '@': give the host only"),
+        ("worker-1,worker-2 slots=2", "may contain only letters, digits"),
+        ("worker-1:0 slots=2", "may contain only letters, digits"),
         ("worker-1 slots=4097", "slots must be <= 4096 (slots per host), got 4097"),
         ("worker-1 slots=99999999999999999999", "slots must be <= 4096"),
     ],
@@ -120,6 +123,8 @@ def test_num_nodes_and_num_gpus_take_the_first():
         ({"num_nodes": 4}, "--num_nodes must be in 1..3"),
         ({"num_gpus": 3}, "exceeds the 2 slots of host 'c'"),
         ({"exclude": "a@b@c"}, "no host left"),
+        ({"include": "a:"}, "no slot ids after 'a:'"),
+        ({"exclude": "b@a: "}, "no slot ids after 'a:'"),
     ],
 )
 def test_bad_selection(kwargs, match):
@@ -185,3 +190,26 @@ def test_empty_include_or_exclude_is_an_error():
     for kwargs in ({"include": ""}, {"exclude": "  "}):
         with pytest.raises(ValueError, match="is empty"):
             select_resources({"localhost": [0, 1]}, **kwargs)
+
+
+def test_non_utf8_hostfile_names_the_file_and_line(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_bytes("worker-0 slots=2\nw\u00f6rker-1 slots=2\n".encode("latin-1"))
+    with pytest.raises(ValueError) as info:
+        parse_hostfile(str(path))
+    assert str(info.value) == (
+        f"hostfile '{path}' line 2 is not UTF-8 text (byte 0xf6 at column 2); save the file "
+        "as UTF-8"
+    )
+
+
+def test_include_without_a_hostfile_says_what_was_selected(tmp_path, monkeypatch, capsys):
+    """No hostfile: the pool is this machine, and the message says so (not "the hostfile")."""
+    monkeypatch.chdir(tmp_path)
+    code = main(["--num_gpus", "2", "--include", "worker-0", "train.py"])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert (
+        "--include: host 'worker-0' is not in this machine (no hostfile given: 'localhost' "
+        "with 2 slot(s)): hosts ['localhost']" in err
+    )

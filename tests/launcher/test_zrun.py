@@ -84,6 +84,51 @@ def test_failed_rank_ends_the_job_with_its_exit_code(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
+# Rank 0 waits in a gloo barrier that rank 1 never joins; rank 1 records its pid, then either
+# waits to be killed from outside or raises.
+WAITING_IN_A_COLLECTIVE = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+with open(os.path.join(OUT, f"pid{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+if rank == 1:
+    if open(os.path.join(OUT, "mode")).read() == "raise":
+        time.sleep(0.3)
+        raise RuntimeError("rank 1 fails")
+    time.sleep(120)
+dist.barrier()
+"""
+
+
+@pytest.mark.parametrize(
+    "fault, code, words",
+    [
+        (signal.SIGKILL, 137, "was killed by SIGKILL"),
+        (signal.SIGTERM, 143, "was killed by SIGTERM"),
+        ("raise", 1, "exited with code 1"),
+    ],
+)
+def test_the_rank_that_failed_first_is_named(tmp_path, fault, code, words):
+    """Not rank 0, which the agent's own SIGTERM ended (or whose barrier failed) after rank 1
+    died; raise runs three times (it named the wrong rank about one run in eight)."""
+    script = write_script(tmp_path, WAITING_IN_A_COLLECTIVE)
+    for _ in range(3 if fault == "raise" else 1):
+        for name in ("pid0", "pid1"):
+            (tmp_path / name).unlink(missing_ok=True)
+        (tmp_path / "mode").write_text("raise" if fault == "raise" else "wait")
+        proc = start_zrun(tmp_path, "localhost slots=2\n", script)
+        wait_for_files([tmp_path / "pid0", tmp_path / "pid1"])
+        if fault != "raise":
+            time.sleep(0.3)  # rank 0 is in its barrier
+            os.kill(int((tmp_path / "pid1").read_text()), fault)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == code, stderr
+        lines = [line for line in stderr.splitlines() if line.startswith("zrun: rank")]
+        assert lines == [f"zrun: rank 1 (local_rank 1 on node 0 'localhost') {words}"], stderr
+    assert_nothing_left(str(tmp_path))
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_zrun_ends_every_rank(tmp_path, signum):
     script = write_script(tmp_path, SLEEPING_RANK)
