@@ -20,6 +20,7 @@ _EXPORTS = {
     "Config": "config",
     "ConfigError": "config",
     "load_config": "config",
+    "load_pretrained": "hf",
 }
 
 # Submodules reachable as attributes: zero.checkpointing is engine/activation.py (DeepSpeed's
@@ -35,6 +36,7 @@ _MODULES = {
     "ops": "ops",
     "init": "init",
     "utils": "utils",
+    "hf": "hf",
     "comm": "comm",
 }
 

@@ -285,7 +285,7 @@ def _finish(meta: dict, save_dir: str, tag: str, save_latest: bool) -> None:
     tmp = os.path.join(save_dir, tag + ".tmp")
     _create_json(os.path.join(tmp, META), meta)
     _fsync_dir(tmp)
-    _publish(tmp, os.path.join(save_dir, tag))
+    publish_directory(tmp, os.path.join(save_dir, tag))
     if save_latest:
         _write_text_atomic(os.path.join(save_dir, LATEST), tag)
 
@@ -705,7 +705,7 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _publish(tmp: str, final: str) -> None:
+def publish_directory(tmp: str, final: str) -> None:
     """Move the finished directory into place ([Note: crash-safe publication]): an existing
     checkpoint of the same tag becomes `<tag>.old` until the new one is in place."""
     old = final + ".old"

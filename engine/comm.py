@@ -271,6 +271,8 @@ METHODS = (
     "state_dict() (stage 3)",
     "zero.GatheredParameters (enter)",
     "zero.GatheredParameters (exit, modifier_rank broadcast)",
+    "save_pretrained",
+    "load_pretrained",
     "zero.utils.safe_get_full_* (an all-gather of one parameter)",
     "zero.utils.safe_set_full_* (every rank passes the same value)",
 )

@@ -27,7 +27,14 @@ from . import gathered
 from .accelerator import Accelerator
 from .comm import Communicator, Intent
 from .flat import FlatLayout
-from .init import full_numel, full_shape, guard_load_state_dict, is_partitioned, take_full
+from .init import (
+    full_numel,
+    full_shape,
+    guard_load_state_dict,
+    is_partitioned,
+    refuse_meta,
+    take_full,
+)
 from .lr_schedules import build_scheduler
 from .monitor import StepMonitor
 from .optim import build_optimizer, resolve_optimizer
@@ -98,6 +105,7 @@ class Engine(torch.nn.Module):
         self.comm = comm
         self.accelerator = accelerator
         self.module = model
+        refuse_meta(model, comm.rank)  # e.g. built under torch.device("meta"), never loaded
         # Validate the optimizer and its param groups before any collective or device move.
         client_optimizer = optimizer is not None
         optimizer = optimizer or self._config_optimizer(model_parameters)
@@ -567,6 +575,30 @@ class Engine(torch.nn.Module):
         path = os.path.join(save_dir, save_filename)
         save_file(tensors, path)
         return path
+
+    def save_pretrained(self, save_dir, max_shard_size="5GB", dtype=None) -> str:
+        """Write the model in Hugging Face's layout: config.json (from model.config, when the
+        model has one) and model.safetensors, or model-0000i-of-0000n.safetensors shards of at
+        most max_shard_size each (bytes, or a string such as "5GB" = 5e9 bytes) with
+        model.safetensors.index.json; AutoModel*.from_pretrained(save_dir) and
+        zero.load_pretrained read it back.
+
+        Values are the fp32 master weights (what training produced), cast to `dtype` when given
+        (torch.float32, torch.bfloat16, torch.float16 or "fp32"/"bf16"/"fp16"); frozen
+        parameters and floating-point buffers are cast likewise. A tied parameter is saved once,
+        under its first name (transformers drops lm_head.weight and ties it again on load).
+        At any stage; stage 3 all-gathers one bucket at a time and rank 0 streams it to disk, so
+        no rank holds the whole model (engine/hf.py, [Note: export]). Atomic: rank 0 writes
+        `save_dir.tmp` and renames it to save_dir; other files already in save_dir (a tokenizer)
+        are kept, earlier weights replaced.
+
+        Collective: every rank must call it. Returns save_dir on every rank. Raises ValueError
+        for a bad max_shard_size or dtype, NotImplementedError with tensor parallelism; a write
+        error on rank 0 is raised there and as CheckpointError on the other ranks.
+        """
+        from . import hf
+
+        return hf.save_pretrained(self, save_dir, max_shard_size, dtype)
 
     # ----- checkpoints (engine/checkpoint.py) --------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:

@@ -29,7 +29,7 @@ def register(optimizer) -> None:
     """Record which ZeroOptimizer owns each laid-out parameter, trainable or (stage 3) frozen
     (called by the Engine)."""
     ref = weakref.ref(optimizer)
-    for bucket in _buckets(optimizer):
+    for bucket in laid_out_buckets(optimizer):
         for param in bucket.params:
             _OWNER[id(param)] = ref
 
@@ -41,7 +41,8 @@ def owner(param):
     return None if ref is None else ref()
 
 
-def _buckets(optimizer) -> list:
+def laid_out_buckets(optimizer) -> list:
+    """Every bucket of a ZeroOptimizer: trainable, and at stage 3 frozen ones too."""
     return optimizer.gatherer.buckets if optimizer.gatherer is not None else optimizer.buckets
 
 
@@ -128,9 +129,8 @@ def _enter(optimizer, method: str, params, modifier_rank=None) -> None:
 def _buckets_holding(optimizer, params) -> list:
     """(index, bucket) of the optimizer's buckets that hold any of `params`."""
     ids = {id(p) for p in params}
-    return [
-        (i, b) for i, b in enumerate(_buckets(optimizer)) if any(id(p) in ids for p in b.params)
-    ]
+    buckets = laid_out_buckets(optimizer)
+    return [(i, b) for i, b in enumerate(buckets) if any(id(p) in ids for p in b.params)]
 
 
 def _publish_modification(optimizer, params, src: int) -> None:

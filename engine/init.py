@@ -28,9 +28,38 @@ in the same order, which construction code does unless it branches on the rank.
 
 After the context, zero.initialize gathers each parameter once more, one bucket at a time, to lay
 it out (engine/stages.py); until then `param.numel()` is 0 and full_shape(param) gives the shape.
+
+[Note: meta parameters and loaded values]
+A parameter built on the meta device (inside `torch.device("meta")`, which transformers 5's
+from_pretrained opens around the model's construction) has a shape but no values, so there is
+nothing to partition: it stays on the meta device with an empty InitShard (InitShard.empty) that
+records its shape, and the torch operations that construction code runs on it are not caught.
+Values arrive later, one parameter at a time, in one of two ways:
+- assigned: a Parameter that replaces a zero.Init parameter on its module (`module.weight =
+  Parameter(value)`, as transformers' loader sets each checkpoint tensor, a tie, a re-assignment)
+  is partitioned at once while the context is open, from this rank's own value and without
+  communication, because the assignments of a checkpoint load need not come in the same order on
+  every rank (transformers iterates over a set for the keys it does not load). Ranks must assign
+  equal values, as loading the same files does: each value's CRC-32 is kept until the parameter
+  is next gathered and released (which broadcasts rank 0's value: transformers re-initializes the
+  keys the checkpoint lacks that way), and the context's exit checks that the ranks' sums agree,
+  raising on every rank otherwise. An assigned Parameter on the meta device becomes empty again.
+- loaded: zero.load_pretrained(model, path) reads each rank's slice of every parameter straight
+  from safetensors files into its InitShard (engine/hf.py), empty or not, after the context too.
+zero.initialize refuses a model with parameters or buffers still on the meta device.
+transformers 5 materializes checkpoint tensors on 4 threads ahead of assigning them. Uncast, a
+tensor is a view of the mapped file (no private memory); cast (from_pretrained(dtype=...)) each
+is a private copy, and the read-ahead held about a third of a bf16 model per rank in
+benchmarks/load_pretrained_rss.py. So while the context is open it sets transformers' own switch
+HF_DEACTIVATE_ASYNC_LOAD=1 (unless the environment sets it), which makes it materialize each
+tensor when it assigns it: one full tensor at a time. A transformers without that switch only
+reads ahead again; nothing else depends on it.
 """
 
+import contextlib
 import functools
+import os
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -40,6 +69,8 @@ from .accelerator import detect_accelerator
 from .comm import Communicator, data_parallel_comm, init_process_group, read_launch_env
 
 _ACTIVE = None  # the Init context in force (contexts do not nest: an inner one does nothing)
+# transformers' switch for materializing checkpoint tensors one at a time ([Note: meta ...]).
+_SEQUENTIAL_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"
 # Parameters kept gathered inside the context after their last touch (see [Note: touching a
 # partitioned parameter]); enough for code that aliases a few parameters at once.
 KEEP_GATHERED = 4
@@ -61,14 +92,30 @@ class InitShard:
         self.gathered = True  # until release_in_place() keeps the slice
         self.shape = self.data = None
 
+    @property
+    def empty(self) -> bool:
+        """Built on the meta device: the shape is known, the values are not (see [Note: meta
+        parameters and loaded values])."""
+        return self.data is None and not self.gathered
+
+    def owned_range(self) -> tuple[int, int]:
+        """[begin, end) in elements of the flattened full parameter that this rank's slice
+        holds; the slice has ceil(numel / N) elements, zero padding after end - begin."""
+        part = -(-self.numel // self.comm.world_size)
+        begin = min(self.comm.rank * part, self.numel)
+        return begin, min(begin + part, self.numel)
+
     def keep(self, full: torch.Tensor) -> None:
-        """Keep this rank's slice of `full` (the same on every rank)."""
+        """Keep this rank's slice of `full`."""
         self.shape = full.shape
-        part = -(-full.numel() // self.comm.world_size)
-        begin = min(self.comm.rank * part, full.numel())
-        end = min(begin + part, full.numel())
-        data = torch.zeros(part, dtype=full.dtype, device=self.device)
-        data[: end - begin].copy_(full.reshape(-1)[begin:end])
+        begin, end = self.owned_range()
+        self.keep_owned(full.reshape(-1)[begin:end], full.dtype)
+
+    def keep_owned(self, owned: torch.Tensor, dtype: torch.dtype) -> None:
+        """Keep `owned` (1-D: the elements owned_range() names, any dtype) as this rank's slice,
+        in `dtype`."""
+        data = torch.zeros(-(-self.numel // self.comm.world_size), dtype=dtype, device=self.device)
+        data[: owned.numel()].copy_(owned)
         if self.pin and torch.cuda.is_available() and data.device.type == "cpu":
             data = data.pin_memory()
         self.data = data
@@ -118,8 +165,16 @@ def full_numel(param) -> int:
 
 def gather_full(param) -> torch.Tensor:
     """The full value of a zero.Init parameter: (full_shape,) on the collectives' device.
-    Collective over the group it is partitioned over."""
+    Collective over the group it is partitioned over. Raises ValueError for a parameter built on
+    the meta device that has no values yet."""
     shard = param.zero_shard
+    if shard.empty:
+        raise ValueError(
+            f"rank {shard.comm.rank}: a parameter of shape {tuple(shard.shape)} was built on the "
+            "meta device under zero.Init and holds no values yet; load them first: "
+            "from_pretrained inside the zero.Init context, or zero.load_pretrained(model, path) "
+            "on every rank"
+        )
     if shard.gathered:
         return param.data.to(shard.comm_device)
     data = shard.data.to(shard.comm_device)
@@ -149,6 +204,8 @@ def release_in_place(param, src: int = 0) -> None:
     """Partition a gathered zero.Init parameter again from rank `src`'s (possibly modified)
     full value. Collective."""
     shard = param.zero_shard
+    if _ACTIVE is not None:
+        _ACTIVE.assigned.pop(id(param), None)  # rank src's value now: equal everywhere
     with torch.no_grad():
         full = param.data.to(shard.comm_device, copy=True).contiguous()
         shard.comm.broadcast(full, src=src)
@@ -216,8 +273,13 @@ class Init:
         self.device = torch.device("cpu") if host else accelerator.device  # where shards live
         self.pin_memory = pin_memory or bool(offload and offload.pin_memory)
         self._gathered: dict[int, torch.nn.Parameter] = {}  # in order of last touch
+        # id(param) -> (param, CRC-32 of the value assigned to it), until it is next released
+        # (see [Note: meta parameters and loaded values])
+        self.assigned: dict[int, tuple] = {}
         self._patched: dict[type, object] = {}  # class -> its own __init__
         self._subclass_hook = None
+        self._register_hook = None
+        self._set_env = False  # this context set HF_DEACTIVATE_ASYNC_LOAD
         self._mode = None
         self._busy = False
         if module is not None and enabled:
@@ -234,6 +296,11 @@ class Init:
             self._wrap_init(cls)
         self._subclass_hook = torch.nn.Module.__dict__.get("__init_subclass__")
         torch.nn.Module.__init_subclass__ = classmethod(_wrap_subclass_init)
+        self._register_hook = torch.nn.modules.module.register_module_parameter_registration_hook(
+            self._on_register
+        )
+        self._set_env = _SEQUENTIAL_LOAD not in os.environ
+        os.environ.setdefault(_SEQUENTIAL_LOAD, "1")
         self._mode = _Catch(self)
         self._mode.__enter__()
         return self
@@ -243,6 +310,9 @@ class Init:
         if not self.enabled:
             return False
         self._mode.__exit__(*exc)
+        self._register_hook.remove()
+        if self._set_env:
+            os.environ.pop(_SEQUENTIAL_LOAD, None)
         for cls, original in self._patched.items():
             cls.__init__ = original
         self._patched.clear()
@@ -250,9 +320,13 @@ class Init:
             del torch.nn.Module.__init_subclass__
         else:
             torch.nn.Module.__init_subclass__ = self._subclass_hook
-        _ACTIVE = None
-        if exc[0] is None:
-            self._release_all()
+        try:
+            if exc[0] is None:
+                self._release_all()
+                self._check_assigned()
+        finally:
+            self.assigned.clear()
+            _ACTIVE = None
         return False
 
     def _wrap_init(self, cls) -> None:
@@ -264,23 +338,76 @@ class Init:
     def _module_built(self, module) -> None:
         """The outermost __init__ of `module` returned: partition its own parameters."""
         self._release_all()
-        for param in module.parameters(recurse=False):
-            if not is_partitioned(param) and param.numel() > 0:
-                self._partition(param)
+        self._partition_params(module.parameters(recurse=False))
         guard_load_state_dict(module)
 
     def _partition_tree(self, module) -> None:
-        for param in module.parameters():
-            if not is_partitioned(param) and param.numel() > 0:
+        self._partition_params(module.parameters())
+
+    def _partition_params(self, params) -> None:
+        for param in params:
+            if is_partitioned(param) or param.numel() == 0:
+                continue
+            if param.is_meta:
+                self._defer(param)
+            else:
                 self._partition(param)
+
+    def _new_shard(self, home) -> InitShard:
+        return InitShard(home, self.comm, self.comm_device, self.device, self.pin_memory)
 
     def _partition(self, param) -> None:
         """Broadcast rank 0's value, keep this rank's slice. Collective."""
-        param.zero_shard = InitShard(
-            param.device, self.comm, self.comm_device, self.device, self.pin_memory
-        )
+        param.zero_shard = self._new_shard(param.device)
         with self._own_ops():
             release_in_place(param)
+
+    def _defer(self, param) -> None:
+        """A parameter on the meta device: record its shape; it stays on the meta device until
+        a value is assigned or loaded. Its slice will live on the host until then."""
+        shard = self._new_shard(torch.device("cpu"))
+        shard.shape, shard.gathered = param.shape, False
+        param.zero_shard = shard
+
+    def _on_register(self, module, name, param):
+        """torch's parameter registration hook while the context is open: a Parameter that
+        replaces a zero.Init parameter is partitioned at once (see [Note: meta parameters and
+        loaded values]). Returns None (the Parameter itself is changed)."""
+        if param is None or self._busy or is_partitioned(param):
+            return None
+        old = module._parameters.get(name)
+        if old is None or not is_partitioned(old) or param.numel() == 0:
+            return None
+        if param.is_meta:
+            self._defer(param)
+            return None
+        shard = self._new_shard(param.device)
+        with torch.no_grad(), self._own_ops():
+            self.assigned[id(param)] = (param, _crc32(param.data))
+            shard.keep(param.data)
+            param.data = torch.empty(0, dtype=param.dtype, device=shard.home)
+        shard.gathered = False
+        param.zero_shard = shard
+        return None
+
+    def _check_assigned(self) -> None:
+        """Raise on every rank unless the values assigned to zero.Init parameters (and not
+        released since) are equal on every rank, as far as the sum of their CRC-32s tells.
+        Collective: one all-reduce of two integers."""
+        if self.comm.world_size == 1:
+            return
+        total = sum(crc for _, crc in self.assigned.values()) % (1 << 62)
+        extremes = torch.tensor([total, -total], dtype=torch.int64, device=self.comm_device)
+        with self._own_ops():
+            self.comm.all_reduce(extremes, op="max")
+        if int(extremes[0]) != total or -int(extremes[1]) != total:
+            raise ValueError(
+                f"rank {self.comm.rank}: the values assigned to zero.Init parameters after their "
+                f"module was built ({len(self.assigned)} on this rank, such as checkpoint tensors "
+                "set by from_pretrained) differ between ranks: each rank keeps its slice of its "
+                "own value, so every rank must assign the same values (load the same files on "
+                "every node; draw random values with the same seed)"
+            )
 
     def _release_all(self, keep: int = 0) -> None:
         """Partition again all but the `keep` most recently touched gathered parameters."""
@@ -326,10 +453,42 @@ class _Catch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.init._busy:
-            params = [t for t in tensors_in((args, kwargs)) if is_partitioned(t)]
+            params = [t for t in tensors_in((args, kwargs)) if _has_values(t)]
             if params:
                 self.init.touch(list({id(p): p for p in params}.values()))
         return func(*args, **kwargs)
+
+
+def own_ops():
+    """A context in which torch operations on zero.Init parameters are zero's own (an open
+    zero.Init context does not gather what they touch)."""
+    return _ACTIVE._own_ops() if _ACTIVE is not None else contextlib.nullcontext()
+
+
+def refuse_meta(module: torch.nn.Module, rank: int) -> None:
+    """Raise ValueError naming the parameters and buffers of `module` that are still on the
+    meta device (they have no values)."""
+    names = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if names:
+        raise ValueError(
+            f"rank {rank}: {len(names)} parameters or buffers of the model are on the meta "
+            f"device and have no values, such as {names[:5]}: load them first with "
+            "zero.load_pretrained(model, path) on every rank (or from_pretrained inside "
+            "zero.Init), or build the model outside torch.device('meta')"
+        )
+
+
+def _has_values(tensor) -> bool:
+    """A zero.Init parameter that holds values (not an empty one, on the meta device)."""
+    return is_partitioned(tensor) and not tensor.zero_shard.empty
+
+
+def _crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 of the tensor's bytes (read through a host copy when it is on a device)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return zlib.crc32(flat.contiguous().view(torch.uint8).numpy())
 
 
 def tensors_in(value):
