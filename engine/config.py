@@ -876,9 +876,9 @@ def load_config(
 def settings_without_effect(config: Config, *, model_parallel_world_size: int) -> list[str]:
     """Lines naming what ``config`` asks for that has no effect in this run (empty when none).
 
-    zero.initialize logs them once at INFO (shown on rank 0). Only settings that are inert
-    because of how the run is set up are named here; keys zero never acts on are listed as such
-    in docs/config.md.
+    zero.initialize logs them once at INFO (shown on rank 0): settings that are inert because
+    of how the run is set up, and switches of DeepSpeed features zero does not have that a user
+    would otherwise wait for (wandb, the FLOPs profiler, gradient pre-division).
 
     Args:
         config: a loaded config.
@@ -896,6 +896,23 @@ def settings_without_effect(config: Config, *, model_parallel_world_size: int) -
             "replicated across a model-parallel group, so each rank keeps them whole "
             "(cpu_checkpointing and contiguous_memory_optimization still apply). Set it to "
             "false, or pass an mpu whose model-parallel size is above 1."
+        )
+    if config.wandb.enabled:
+        lines.append(
+            "wandb.enabled: zero does not log to Weights & Biases; its step metrics go to "
+            "tensorboard or csv_monitor (docs/observability.md), or log engine values from the "
+            "training script."
+        )
+    if config.flops_profiler.enabled:
+        lines.append(
+            "flops_profiler.enabled: zero has no per-module FLOPs profiler; its step line "
+            "reports tokens/s and model TFLOP/s every steps_per_print steps."
+        )
+    if config.prescale_gradients or config.gradient_predivide_factor != 1.0:
+        lines.append(
+            "prescale_gradients / gradient_predivide_factor: zero sums gradients over ranks "
+            "and divides once after the reduction, in fp32 or communication_data_type; "
+            "these keys do not change that."
         )
     return lines
 

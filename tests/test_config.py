@@ -1053,3 +1053,17 @@ def test_settings_without_effect_only_without_model_parallelism():
     assert len(settings_without_effect(config, model_parallel_world_size=1)) == 1
     assert settings_without_effect(config, model_parallel_world_size=2) == []
     assert settings_without_effect(load({}), model_parallel_world_size=1) == []
+
+
+@pytest.mark.parametrize(
+    "block, words",
+    [
+        ({"wandb": {"enabled": True}}, "does not log to Weights & Biases"),
+        ({"flops_profiler": {"enabled": True}}, "no per-module FLOPs profiler"),
+        ({"prescale_gradients": True}, "divides once after the reduction"),
+        ({"gradient_predivide_factor": 2.0}, "divides once after the reduction"),
+    ],
+)
+def test_features_zero_does_not_have_are_said_once(block, words):
+    lines = settings_without_effect(load(block), model_parallel_world_size=1)
+    assert len(lines) == 1 and words in lines[0]
