@@ -148,7 +148,7 @@ def max_diff(got: dict, model) -> float:
 
 
 # ----- the engine side (runs on every rank) -------------------------------------------------
-def engine_config(stage: int, dtype: str = "fp32", unit: int = 0) -> dict:
+def engine_config(stage: int, dtype: str = "fp32", unit: int = 0, persist: int = 40) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.0,
@@ -162,7 +162,7 @@ def engine_config(stage: int, dtype: str = "fp32", unit: int = 0) -> dict:
             # several buckets and, at stage 3, several units per layer; no size divides by 3
             "reduce_bucket_size": 3000,
             "stage3_module_granularity_threshold": unit,
-            "stage3_param_persistence_threshold": 40,  # norms and biases stay gathered
+            "stage3_param_persistence_threshold": persist,  # 40: norms and biases stay gathered
             "stage3_gather_16bit_weights_on_model_save": True,
         },
     }
@@ -237,3 +237,43 @@ def test_fp32_three_ranks_sizes_not_divisible():
     for stage in (0, 1, 2, 3):
         diff = max_diff(out[("qwen2", stage, "fp32")], ref)
         assert diff <= FP32_TOLERANCE, (stage, diff)
+
+
+# ----- gradient checkpointing with frozen parts ---------------------------------------------
+# Stage-3 fetch-unit sizes: one unit per decoder layer (the layer's hooks run outside
+# transformers' checkpoint), or one per projection (their hooks run inside it, again in the
+# recomputation).
+LAYER_UNIT = {"llama": 12_000, "gpt2": 15_000}
+FINE_UNIT = 1_500
+CHECKPOINTING_CASES = [
+    # (kind, stage, freeze, use_reentrant, stage3_module_granularity_threshold)
+    *[("llama", 3, "embed", r, LAYER_UNIT["llama"]) for r in (True, False)],
+    *[("llama", 3, "lora", r, LAYER_UNIT["llama"]) for r in (True, False)],
+    *[("llama", 3, "lora", r, FINE_UNIT) for r in (True, False)],
+    *[("gpt2", 3, "embed", r, LAYER_UNIT["gpt2"]) for r in (True, False)],
+    ("llama", 2, "lora", True, 0),
+    ("llama", 1, "embed", False, 0),
+]
+
+
+def checkpointing_sweep(cases) -> dict:
+    out = {}
+    for kind, stage, freeze, reentrant, unit in cases:
+        model = build(kind, freeze, checkpointing=reentrant)
+        # every parameter partitioned: the norms' weights too, which layers save as themselves
+        engine = train(model, engine_config(stage, unit=unit, persist=0), kind)
+        out[(kind, stage, freeze, reentrant, unit)] = full_params(engine)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpointing_runs():
+    return run_ranks(checkpointing_sweep, 2, CHECKPOINTING_CASES, timeout=TIMEOUT)[0]
+
+
+@pytest.mark.parametrize("case", CHECKPOINTING_CASES, ids=str)
+def test_gradient_checkpointing_with_frozen_parts_matches_reference(checkpointing_runs, case):
+    kind, _, freeze, reentrant, _ = case
+    ref = reference(kind, 2, freeze, checkpointing=reentrant)
+    diff = max_diff(checkpointing_runs[case], ref)
+    assert diff <= FP32_TOLERANCE, (case, diff)
