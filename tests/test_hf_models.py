@@ -18,6 +18,8 @@ right, with an attention mask and labels -100 on the padding.
 Each world size is spawned once per group of cases; the cases are swept inside it.
 """
 
+import copy
+import os
 import warnings
 
 import pytest
@@ -277,3 +279,107 @@ def test_gradient_checkpointing_with_frozen_parts_matches_reference(checkpointin
     ref = reference(kind, 2, freeze, checkpointing=reentrant)
     diff = max_diff(checkpointing_runs[case], ref)
     assert diff <= FP32_TOLERANCE, (case, diff)
+
+
+# ----- LoRA through peft ----------------------------------------------------------------------
+def held_bytes(engine) -> dict:
+    """This rank's bytes: engine.model_state_bytes() (the trained parameters' shards, gradients,
+    master weights, optimizer state) and "frozen": the frozen weights it keeps (stage 3: its
+    shards of them; stages 0-2: the whole tensors)."""
+    held = dict(engine.model_state_bytes())
+    if engine.frozen is not None:
+        held["frozen"] = sum(b.param_shard.nbytes for b in engine.frozen.buckets)
+    else:
+        held["frozen"] = sum(p.nbytes for p in engine.module.parameters() if not p.requires_grad)
+    return held
+
+
+def merged_logits(state: dict) -> torch.Tensor:
+    """Load `state` (the peft model's full state_dict) into a plain copy, merge the adapters into
+    the base weights with peft's merge_and_unload, and return the probe batch's logits."""
+    copy = build("llama", "lora")
+    copy.load_state_dict(state)
+    merged = copy.merge_and_unload().eval()
+    probe = probe_batch()
+    with torch.no_grad():
+        return merged(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+
+
+def lora_sweep(save_dir: str) -> dict:
+    """Llama with and without LoRA at stages 2 and 3 (every parameter partitioned at stage 3)."""
+    from safetensors.torch import load_file
+
+    import zero
+
+    out = {}
+    for stage in (2, 3):
+        for freeze in (None, "lora"):
+            engine = train(build("llama", freeze), engine_config(stage, persist=0), "llama")
+            res = {"held": held_bytes(engine)}
+            if freeze == "lora":
+                names = {id(p): n for n, p in engine.module.named_parameters()}
+                opt = engine.optimizer
+                res["trained"] = [names[id(p)] for b in opt.buckets for p in b.params]
+                res["master_numel"] = sum(b.master.numel() for b in opt.buckets)
+                res["state_numel"] = sum(
+                    v.numel() for s in opt.optimizer.state.values() for v in s.values() if v.dim()
+                )
+                frozen = [p for p in engine.module.parameters() if not p.requires_grad]
+                res["frozen_storage"] = sum(p.untyped_storage().nbytes() for p in frozen)
+                res["params"] = full_params(engine)
+                if stage == 3:  # export through the 16-bit model file
+                    path = engine.save_16bit_model(os.path.join(save_dir, "stage3"))
+                    state = load_file(path) if engine.rank == 0 else None
+                else:  # export through GatheredParameters (the parameters are whole already)
+                    with zero.GatheredParameters(list(engine.module.parameters())):
+                        state = engine.module.state_dict() if engine.rank == 0 else None
+                res["merged_logits"] = merged_logits(state) if engine.rank == 0 else None
+            out[(stage, freeze)] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("lora"))
+    return run_ranks(lora_sweep, 2, save_dir, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def lora_reference():
+    return reference("llama", 2, "lora")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_matches_reference_and_trains_only_adapters(lora_runs, lora_reference, stage):
+    base = build("llama")
+    lora_numel = sum(p.numel() for n, p in lora_reference.named_parameters() if "lora_" in n)
+    frozen_numel = sum(p.numel() for p in base.parameters())
+    masters = 0
+    for runs in lora_runs:
+        res = runs[(stage, "lora")]
+        assert max_diff(res["params"], lora_reference) <= FP32_TOLERANCE
+        assert res["trained"] and all("lora_" in n for n in res["trained"]), res["trained"]
+        # AdamW's two moments, for the adapters' master shards only
+        assert res["state_numel"] == 2 * res["master_numel"], res
+        assert res["held"]["optimizer_state"] == 8 * res["master_numel"], res
+        masters += res["master_numel"]
+        frozen_bytes = res["held"]["frozen"]
+        if stage == 3:  # the base stays partitioned: placeholders and this rank's 1/N shard
+            assert res["frozen_storage"] == 0, res["frozen_storage"]
+            buckets = 16  # at most one bucket per unit; each pads fewer than N elements
+            assert 4 * frozen_numel // 2 <= frozen_bytes <= 4 * (frozen_numel // 2 + buckets)
+        else:
+            assert frozen_bytes == 4 * frozen_numel
+        assert runs[(stage, "lora")]["held"]["grads"] < runs[(stage, None)]["held"]["grads"]
+    # every adapter element is owned by exactly one rank (up to padding)
+    assert lora_numel <= masters < lora_numel + 2 * 16, (masters, lora_numel)
+
+
+def test_lora_merged_export_matches_reference(lora_runs, lora_reference):
+    merged = copy.deepcopy(lora_reference).merge_and_unload().eval()
+    probe = probe_batch()
+    with torch.no_grad():
+        want = merged(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    for stage in (2, 3):
+        got = lora_runs[0][(stage, "lora")]["merged_logits"]
+        assert (got - want).abs().max().item() <= FP32_TOLERANCE, stage
