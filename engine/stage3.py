@@ -80,6 +80,7 @@ class Unit:
     holds: int = 0  # open zero.GatheredParameters / state_dict() holds: never released then
     calls: int = 0  # observed calls (forward, reentrant recomputation) whose backward is not done
     untracked: bool = False  # completion cannot be observed ([Note: end of a unit's backward])
+    backward: bool = False  # some call of this micro-batch has a backward (_has_backward)
     check: object = None  # comm.PendingCheck of its all-gather in flight, if predicted
 
     @property
@@ -216,7 +217,9 @@ class ParamGatherer:
             self._trace.append(unit.index)
             self.fetch(unit, "forward")
             if torch.is_grad_enabled():
-                self._watch_backward(unit, _inputs_requiring_grad(args, kwargs))
+                inputs = _inputs_requiring_grad(args, kwargs)
+                unit.backward = unit.backward or _has_backward(unit, inputs)
+                self._watch_backward(unit, inputs)
 
         return hook
 
@@ -262,7 +265,8 @@ class ParamGatherer:
                 output = self._keep_in_backward(unit, _inputs_requiring_grad(args, kwargs), output)
                 tensors = list(tensors_in(output))
             outputs = [t for t in tensors if t.requires_grad]
-            if outputs and torch.is_grad_enabled():
+            inputs = _inputs_requiring_grad(args, kwargs)
+            if outputs and torch.is_grad_enabled() and _has_backward(unit, inputs):
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
@@ -455,6 +459,8 @@ class ParamGatherer:
         plan = []
         for index in order[position + 1 :]:
             upcoming = self.units[index]
+            if direction == "backward" and not upcoming.backward:
+                continue
             size = _unit_numel(upcoming)
             if state(upcoming) is UnitState.GATHERING:
                 budget -= size
@@ -532,7 +538,7 @@ class ParamGatherer:
         persistent one, and keep this step's forward order for the next step's prefetch."""
         for unit in self.units:
             self.release(unit, force=True)
-            unit.calls, unit.untracked = 0, False
+            unit.calls, unit.untracked, unit.backward = 0, False, False
         if self._trace:
             self._order, self._trace = self._trace, []
         self._cursor = {"forward": 0, "backward": 0}
@@ -734,6 +740,16 @@ class _KeepInBackward(torch.autograd.Function):
             torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs
         ]
         return None, *zeros
+
+
+def _has_backward(unit: Unit, inputs: list) -> bool:
+    """Whether a call of `unit` with `inputs` (those that require grad) has a backward: a unit
+    of frozen parameters only whose inputs need no gradient computes nothing in backward, even
+    when its outputs are made to require grad (transformers' enable_input_require_grads marks
+    the frozen embeddings' output so under gradient checkpointing and LoRA), so it is neither
+    gathered nor prefetched there. (If backward uses such a weight after all, through a tensor
+    the module captured, the saved reference gathers it: [Note: saved weights].)"""
+    return bool(inputs) or not unit.frozen
 
 
 def _inputs_requiring_grad(args, kwargs) -> list:

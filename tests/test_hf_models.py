@@ -316,6 +316,12 @@ def lora_sweep(save_dir: str) -> dict:
         for freeze in (None, "lora"):
             engine = train(build("llama", freeze), engine_config(stage, persist=0), "llama")
             res = {"held": held_bytes(engine)}
+            if stage == 3:  # all-gathered elements in the last step, and each unit's size
+                res["gathered"] = engine.comm_stats()["all_gather"]["elements"]
+                res["units"] = {
+                    u.name: sum(b.layout.padded_numel for b in u.buckets)
+                    for u in engine.gatherer.units
+                }
             if freeze == "lora":
                 names = {id(p): n for n, p in engine.module.named_parameters()}
                 opt = engine.optimizer
@@ -383,3 +389,16 @@ def test_lora_merged_export_matches_reference(lora_runs, lora_reference):
     for stage in (2, 3):
         got = lora_runs[0][(stage, "lora")]["merged_logits"]
         assert (got - want).abs().max().item() <= FP32_TOLERANCE, stage
+
+
+def test_stage3_skips_backward_gathers_of_frozen_units_without_gradient(lora_runs):
+    """Every unit is all-gathered in forward and in backward, except, with LoRA, the frozen units
+    whose inputs need no gradient, so their backward computes nothing: the input embeddings
+    (token ids in), and layer 0's input norm and key projection (no adapter), which see only the
+    frozen embeddings' output."""
+    skipped = ("model.embed_tokens", "layers.0.input_layernorm", "layers.0.self_attn.k_proj")
+    for runs in lora_runs:
+        plain, lora = runs[(3, None)], runs[(3, "lora")]
+        assert plain["gathered"] == 2 * sum(plain["units"].values())
+        forward_only = sum(n for name, n in lora["units"].items() if name.endswith(skipped))
+        assert lora["gathered"] == 2 * sum(lora["units"].values()) - forward_only
