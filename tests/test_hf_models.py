@@ -33,7 +33,7 @@ VOCAB, SEQ, MICRO, STEPS, PAD = 128, 16, 2, 3, 0
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.99), 1e-8, 0.01
 MODELS = ("llama", "gpt2", "qwen2", "mixtral")
 FP32_TOLERANCE = 1e-5
-BF16_TOLERANCE = 5e-3  # measured 3.0e-3 to 3.6e-3: bf16 rounding near 1 (docs/hf-models.md)
+BF16_TOLERANCE = 5e-3  # measured 3.0e-3 to 3.5e-3: bf16 rounding near 1 (docs/hf-models.md)
 TIMEOUT = 280  # seconds per spawned group (pytest's own timeout is 300)
 
 
