@@ -9,11 +9,12 @@ right, with an attention mask and labels -100 on the padding.
 - fp32: every parameter within 1e-5 of the reference after a few steps, world size 2 (and 3,
   where no size divides); bf16 at stage 3 within the tolerance stated in docs/hf-models.md.
 - Gradient checkpointing through transformers' own `gradient_checkpointing_enable` (reentrant
-  and not), with frozen embeddings or LoRA adapters: equal to the reference at stage 3.
+  and not), with frozen embeddings or LoRA adapters: equal to the reference at stage 3 (fetch
+  units of one decoder layer or of one projection), and at stages 1 and 2.
 - LoRA through peft at stages 2 and 3: only the adapters have gradients, master weights and
-  optimizer state; at stage 3 each rank keeps 1/N of the frozen base weights; the merged
-  export (gathered weights, peft's merge_and_unload in a plain copy) gives the reference's
-  logits.
+  optimizer state; at stage 3 each rank keeps 1/N of the frozen base weights, and frozen units
+  whose inputs need no gradient are not all-gathered in backward; the merged export (gathered
+  weights, peft's merge_and_unload in a plain copy) gives the reference's logits.
 
 Each world size is spawned once per group of cases; the cases are swept inside it.
 """
