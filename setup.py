@@ -64,8 +64,19 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        # transformers: tests train tiny Hugging Face models built from a config (no download)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "transformers>=4.46"],
+        # transformers, peft, accelerate: tests train tiny Hugging Face models built from a
+        # config (no download), with LoRA adapters (docs/hf-models.md)
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "ruff==0.17.6",
+            "transformers>=4.46",
+            "peft>=0.13",
+            "accelerate>=1.0",
+        ],
+        # `pip install zero[hf]`: fine-tune Hugging Face models (docs/hf-models.md); tested with
+        # transformers 5.24, peft 0.21, accelerate 1.15
+        "hf": ["transformers>=4.46", "peft>=0.13", "accelerate>=1.0", "safetensors>=0.4"],
     },
     entry_points={
         "console_scripts": [

@@ -408,7 +408,11 @@ class Engine(torch.nn.Module):
         self._reduced = self.is_gradient_accumulation_boundary() and not self._no_sync
         self.optimizer.start_backward(reduce=self._reduced)
         self.monitor.record_loss(loss)
-        with self.monitor.timer("backward"):
+        # Stage 3: a reentrant activation-checkpoint recomputation runs its forward inside this
+        # backward; zero's saved-tensor hooks make it save gathered weights by reference too
+        # ([Note: saved weights] in engine/stage3.py).
+        saved = self.gatherer.saved_weights() if self.gatherer else contextlib.nullcontext()
+        with self.monitor.timer("backward"), saved:
             try:
                 (loss * scale).backward(retain_graph=retain_graph)
             except BaseException:

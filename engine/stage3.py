@@ -11,13 +11,13 @@ closes a bucket at every unit boundary), so gathering a unit is one all-gather p
 A unit is SHARDED (each rank holds its 1/N slice; the module's parameters are 0-element
 placeholders) or GATHERED (full parameters in a transient buffer). It is gathered by a forward
 pre-hook, released by the forward hook, gathered again when the first gradient reaches its
-outputs (a multi-grad hook registered during forward), and released once every parameter of a
-bucket has its gradient (the gradient is then in the reduce-scatter buffer); a unit of frozen
-parameters only, once the gradients of its inputs are computed. A forward that runs inside
-backward (an activation-checkpoint recomputation) keeps its units gathered (its saved tensors
-are used at once, and the gradients release the units) and is not recorded as forward order. An
-in-place write to a gathered parameter that a release would lose raises instead
-(_check_not_modified). A parameter used
+outputs (a multi-grad hook registered during forward). In backward a trainable bucket is
+released once every parameter of it has its gradient (the gradient is then in the
+reduce-scatter buffer), and the unit's frozen buckets once its backward is over ([Note: frozen
+weights in backward]). A forward that runs inside backward (an activation-checkpoint
+recomputation) keeps its units gathered (its saved tensors are used at once, and backward
+releases the units) and is not recorded as forward order. An in-place write to a gathered
+parameter that a release would lose raises instead (_check_not_modified). A parameter used
 outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
 caught by UsageGuard, a TorchFunctionMode active during engine(...): it gathers the parameter's
 unit on the spot and pins it, so it stays gathered until the end of backward. Every batch of
@@ -30,8 +30,13 @@ view would keep the whole gathered buffer alive from the unit's forward to its b
 released unit would free nothing. During engine(...) saved-tensor hooks replace a saved tensor
 that lies in a gathered buffer with a reference (bucket, offset, shape, strides); backward's
 unpack gathers the unit again if needed and hands out the same view of the new buffer. Inside a
-checkpointed region the checkpoint's own hooks apply instead (they save nothing). Buffers are
-never freed in place, so a view that anyone else keeps stays valid (it just keeps its memory).
+checkpointed region the checkpoint's own hooks apply instead (they save nothing). The hooks are
+active in engine.backward too, so a reentrant checkpoint's recomputation, whose forward runs
+inside backward with no hooks of its own, saves weights by reference as well: a unit released
+before such a weight is used is gathered again instead of handing backward a placeholder. (A
+non-reentrant recomputation saves through torch's hooks; see [Note: frozen weights in
+backward].) Buffers are never freed in place, so a view that anyone else keeps stays valid (it
+just keeps its memory).
 """
 
 import contextlib
@@ -73,8 +78,9 @@ class Unit:
     pinned: bool = False  # gathered until the end of backward (used outside its forward)
     persistent: bool = False  # small parameters: gathered after every step, never released
     holds: int = 0  # open zero.GatheredParameters / state_dict() holds: never released then
-    calls: int = 0  # forward calls of this micro-batch whose backward has not finished
-    untracked: bool = False  # some call's backward cannot be observed (see _pre_forward)
+    calls: int = 0  # observed calls (forward, reentrant recomputation) whose backward is not done
+    untracked: bool = False  # completion cannot be observed ([Note: end of a unit's backward])
+    backward: bool = False  # some call of this micro-batch has a backward (_has_backward)
     check: object = None  # comm.PendingCheck of its all-gather in flight, if predicted
 
     @property
@@ -204,11 +210,16 @@ class ParamGatherer:
         def hook(module, args, kwargs):
             if _in_backward():  # a recomputation: not part of the forward order
                 self.fetch(unit)
+                if torch.is_grad_enabled() and self._saving_by_reference():
+                    # a reentrant checkpoint's: backward runs through what it builds
+                    self._watch_backward(unit, _inputs_requiring_grad(args, kwargs))
                 return
             self._trace.append(unit.index)
             self.fetch(unit, "forward")
             if torch.is_grad_enabled():
-                self._watch_backward(unit, _inputs_requiring_grad(args, kwargs))
+                inputs = _inputs_requiring_grad(args, kwargs)
+                unit.backward = unit.backward or _has_backward(unit, inputs)
+                self._watch_backward(unit, inputs)
 
         return hook
 
@@ -220,20 +231,27 @@ class ParamGatherer:
         done the unit is complete: parameters without a gradient (an expert that got no
         tokens on this rank) count as zero, its buckets are reduce-scattered and it is released
         at the same point of backward on every rank, whatever the data routed where. A call
-        without inputs that require grad, or with a leaf among them (whose AccumulateGrad has
-        the same priority), cannot be observed: the unit then completes as its gradients arrive
-        or at the end of backward."""
-        unit.calls += 1
-        if not inputs or not (unit.frozen or all(t.grad_fn is not None for t in inputs)):
+        with a leaf among its inputs (whose AccumulateGrad has the same priority as the
+        parameters') cannot tell when the parameters' gradients are in, and a call without
+        inputs that require grad has no such point: the unit then completes as its gradients
+        arrive or at the end of backward. The leaf's gradient still marks the end of the
+        call's backward for its frozen weights ([Note: frozen weights in backward])."""
+        if not inputs:
             unit.untracked = True
             return
+        if not (unit.frozen or all(t.grad_fn is not None for t in inputs)):
+            unit.untracked = True
+        unit.calls += 1
         torch.autograd.graph.register_multi_grad_hook(
             inputs, lambda grads: self._call_done(unit), mode="all"
         )
 
     def _call_done(self, unit: Unit) -> None:
         unit.calls -= 1
-        if unit.calls or unit.untracked or unit.pinned or unit.persistent or unit.holds:
+        if unit.calls or unit.pinned or unit.persistent or unit.holds:
+            return
+        if unit.untracked:  # the trainable buckets complete as their gradients arrive
+            self._release_frozen_when_done(unit)
             return
         if self.on_unit_done is not None:
             self.on_unit_done(unit)
@@ -247,7 +265,8 @@ class ParamGatherer:
                 output = self._keep_in_backward(unit, _inputs_requiring_grad(args, kwargs), output)
                 tensors = list(tensors_in(output))
             outputs = [t for t in tensors if t.requires_grad]
-            if outputs and torch.is_grad_enabled():
+            inputs = _inputs_requiring_grad(args, kwargs)
+            if outputs and torch.is_grad_enabled() and _has_backward(unit, inputs):
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
@@ -386,7 +405,15 @@ class ParamGatherer:
                 return outer_unpack(saved.value)
             return self._unpack(saved)
 
+        pack.gatherer = self  # see _saving_by_reference
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _saving_by_reference(self) -> bool:
+        """True when tensors saved now go through saved_weights()'s hooks. Inside backward that
+        means a reentrant checkpoint's recomputation, whose graph a nested backward runs; torch's
+        non-reentrant recomputation saves through its own hooks, and its graph never runs."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and getattr(top[0], "gatherer", None) is self
 
     def _pack(self, tensor):
         if tensor.layout is not torch.strided or tensor.device != self.device:
@@ -432,6 +459,8 @@ class ParamGatherer:
         plan = []
         for index in order[position + 1 :]:
             upcoming = self.units[index]
+            if direction == "backward" and not upcoming.backward:
+                continue
             size = _unit_numel(upcoming)
             if state(upcoming) is UnitState.GATHERING:
                 budget -= size
@@ -460,18 +489,35 @@ class ParamGatherer:
         unit.pinned = False
 
     def release_bucket_after_backward(self, bucket) -> None:
-        """All gradients of the bucket arrived: its full parameters are no longer needed. Once
-        every trainable bucket of the unit is released, so are its frozen buckets (a unit of
-        frozen parameters only is released when its inputs' gradients are computed)."""
+        """All gradients of the trainable bucket arrived, so backward uses its parameters no more:
+        release it, and the unit's frozen buckets once they are not needed either."""
         unit = self.units[bucket.layout.unit]
         if unit.pinned or unit.persistent or unit.holds:
             return
         with self._own_ops():
             self._release_bucket(bucket)
-            if all(b.param_buffer is None for b in unit.buckets if b.master is not None):
-                for other in unit.buckets:
-                    self._release_bucket(other)
-                unit.state = UnitState.SHARDED
+        self._release_frozen_when_done(unit)
+
+    def _release_frozen_when_done(self, unit: Unit) -> None:
+        """[Note: frozen weights in backward]
+        A frozen weight has no gradient that says its backward is done, and backward may need
+        it after every trainable parameter of its unit has its gradient (LoRA: the adapters'
+        gradients arrive before the frozen norm in front of them is differentiated). It is
+        normally saved as a reference into its bucket ([Note: saved weights]), but an
+        activation-checkpoint recomputation inside backward saves it as the parameter itself
+        (torch's non-reentrant checkpoint keeps tensors that do not require grad as they are),
+        so a release would leave backward a 0-element placeholder. The frozen buckets are
+        therefore released only when the unit's backward is over: every trainable bucket has
+        all its gradients and every observed call of the unit has the gradients of its inputs
+        ([Note: end of a unit's backward]); a call that could not be observed (no input
+        requires grad) needs none. Otherwise they go at the end of backward."""
+        trainable_done = all(b.param_buffer is None for b in unit.buckets if b.master is not None)
+        if unit.calls or not trainable_done or unit.state is not UnitState.GATHERED:
+            return
+        with self._own_ops():
+            for bucket in unit.buckets:
+                self._release_bucket(bucket)
+        unit.state = UnitState.SHARDED
 
     def hold(self, units) -> None:
         """Gather `units` (in index order) and keep them gathered until unhold(): for
@@ -492,7 +538,7 @@ class ParamGatherer:
         persistent one, and keep this step's forward order for the next step's prefetch."""
         for unit in self.units:
             self.release(unit, force=True)
-            unit.calls, unit.untracked = 0, False
+            unit.calls, unit.untracked, unit.backward = 0, False, False
         if self._trace:
             self._order, self._trace = self._trace, []
         self._cursor = {"forward": 0, "backward": 0}
@@ -694,6 +740,16 @@ class _KeepInBackward(torch.autograd.Function):
             torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs
         ]
         return None, *zeros
+
+
+def _has_backward(unit: Unit, inputs: list) -> bool:
+    """Whether a call of `unit` with `inputs` (those that require grad) has a backward: a unit
+    of frozen parameters only whose inputs need no gradient computes nothing in backward, even
+    when its outputs are made to require grad (transformers' enable_input_require_grads marks
+    the frozen embeddings' output so under gradient checkpointing and LoRA), so it is neither
+    gathered nor prefetched there. (If backward uses such a weight after all, through a tensor
+    the module captured, the saved reference gathers it: [Note: saved weights].)"""
+    return bool(inputs) or not unit.frozen
 
 
 def _inputs_requiring_grad(args, kwargs) -> list:

@@ -5,6 +5,11 @@ steps. Every case matches a single-process reference that runs each rank's micro
 that rank does (BatchNorm normalizes per micro-batch, as in DDP), and the buffers agree across
 ranks after every step.
 
+A unit whose frozen weight backward needs after the unit's trainable gradients have arrived (a
+frozen scale in front of a trainable projection, as LoRA has a frozen norm in front of its
+adapters), under reentrant and non-reentrant checkpointing: equal to the reference, with the
+all-gather volume of the run without checkpointing (no unit is gathered twice).
+
 One 2-rank group; the cases are swept inside it.
 """
 
@@ -118,8 +123,74 @@ def engine_run(recompute):
     return {"params": params, "evals": evals, "buffers": buffers, "released": released}
 
 
+class ScaledBlock(nn.Module):
+    """A frozen per-channel scale in front of a trainable projection: backward needs the scale
+    (which a recomputation saves as the parameter itself) after the projection's gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(DIM) + 0.5, requires_grad=False)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, h):
+        return h + self.proj(F.gelu(h * self.scale))
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(ScaledBlock() for _ in range(2))
+
+    def forward(self, x, y, reentrant=None):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h) if reentrant is None else checkpoint(block, h, use_reentrant=reentrant)
+        return F.cross_entropy((h @ self.embed.weight.T).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def scaled_reference(reentrant):
+    torch.manual_seed(0)
+    model = Scaled()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for step in range(STEPS):
+        x, y = data(step)
+        for rank in range(WORLD):
+            (model(x[rank], y[rank], reentrant) / WORLD).backward()
+        opt.step()
+        opt.zero_grad()
+    return dict(model.named_parameters())
+
+
+def scaled_run(reentrant):
+    import zero
+
+    torch.manual_seed(0)
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_module_granularity_threshold": 60,  # each block one unit
+        },
+    }
+    engine, _, _, _ = zero.initialize(model=Scaled(), config=cfg)
+    for step in range(STEPS):
+        x, y = data(step)
+        engine.backward(engine(x[engine.rank], y[engine.rank], reentrant))
+        engine.step()
+    gathered = engine.comm_stats()["all_gather"]["elements"]
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"params": params, "gathered": gathered}
+
+
 def sweep():
-    return {recompute: engine_run(recompute) for recompute in (False, True)}
+    out = {recompute: engine_run(recompute) for recompute in (False, True)}
+    out["scaled"] = {reentrant: scaled_run(reentrant) for reentrant in (None, True, False)}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +220,12 @@ def test_buffers_agree_across_ranks(per_rank):
         for step_a, step_b in zip(first, second):
             for (_, a), (_, b) in zip(step_a, step_b):
                 assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_frozen_weight_needed_after_the_trainable_gradients(per_rank, reentrant):
+    ref = scaled_reference(reentrant)
+    for runs in (r["scaled"] for r in per_rank):
+        for name, value in runs[reentrant]["params"].items():
+            assert torch.allclose(value, ref[name], rtol=0, atol=1e-6), name
+        assert runs[reentrant]["gathered"] == runs[None]["gathered"]
