@@ -1144,7 +1144,9 @@ def _apply_training_state(engine, meta, load_optimizer: bool, load_scheduler: bo
     if load_optimizer:
         for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
             for key, value in saved.items():
-                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+                if key == "params" or key not in group:
+                    continue  # only the hyper-parameters this optimizer has: never its tensors
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
         engine.scaler.load_state_dict(meta["loss_scaler"])
     if load_scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])

@@ -208,6 +208,35 @@ def test_bad_checkpoints_fail_before_any_state_changes(tmp_path):
     assert not torch.equal(engine.optimizer.buckets[0].master, before["masters"][0])
 
 
+def test_meta_json_sets_only_known_typed_fields(tmp_path):
+    """A hand-edited meta.json cannot set engine attributes or an optimizer's tensors: unknown
+    counters are refused, a null lr_scheduler leaves the run's scheduler, and param-group keys
+    other than this optimizer's hyper-parameters (its "params" above all) are not applied."""
+    engine = make_engine(2)  # with a WarmupLR scheduler
+    train(engine, global_batches(1))
+    engine.save_checkpoint(tmp_path / "good", tag="T")
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "good", bad)
+    set_key("counters", "forward", value=1)(bad / "T")
+    with pytest.raises(CheckpointError, match=r"key 'counters\.forward': Extra inputs"):
+        engine.load_checkpoint(bad)
+    odd = tmp_path / "odd"
+    shutil.copytree(tmp_path / "good", odd)
+
+    def change(meta):
+        meta["lr_scheduler"] = None
+        meta["param_groups"][0].update(params=[0, 1], not_a_hyperparameter=7)
+
+    edit_meta(odd / "T", change)
+    scheduler, params = engine.lr_scheduler, list(engine.optimizer.param_groups[0]["params"])
+    engine.load_checkpoint(odd)
+    assert engine.lr_scheduler is scheduler
+    assert engine.optimizer.param_groups[0]["params"] == params
+    assert "not_a_hyperparameter" not in engine.optimizer.param_groups[0]
+    train(engine, global_batches(1))  # still trains
+    assert engine.global_steps == 2
+
+
 def test_checksums_optional_and_absent_in_older_checkpoints(tmp_path):
     engine = make_engine(2)
     train(engine, global_batches(1))
