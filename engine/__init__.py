@@ -38,6 +38,7 @@ _MODULES = {
     "utils": "utils",
     "hf": "hf",
     "comm": "comm",
+    "zero": "zero",  # deepspeed.zero's names: zero.zero.Init, zero.zero.GatheredParameters
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])

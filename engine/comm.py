@@ -763,6 +763,72 @@ def reduce_scatter_tensor(output_tensor, input_tensor, op=ReduceOp.SUM, group=No
     )
 
 
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduce `tensor` over `group` into global rank `dst`'s `tensor`. Collective."""
+    _require("reduce")
+    return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, async_op=False):
+    """Global rank `dst` receives every rank's `tensor` in `gather_list`. Collective."""
+    _require("gather")
+    return dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, async_op=False):
+    """Rank r receives scatter_list[r] of global rank `src` in `tensor`. Collective."""
+    _require("scatter")
+    return dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+):
+    """Split `input` by rank, exchange, concatenate into `output` (torch's all_to_all_single).
+    Collective."""
+    _require("all_to_all_single")
+    return dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+
+
+def all_gather_object(object_list: list, obj, group=None) -> None:
+    """object_list[r] receives rank r's picklable `obj` (torch pickles it: only for trusted
+    peers). Collective."""
+    _require("all_gather_object")
+    dist.all_gather_object(object_list, obj, group=group)
+
+
+def broadcast_object_list(object_list: list, src: int = 0, group=None) -> None:
+    """Every rank's `object_list` becomes global rank `src`'s (pickled by torch). Collective."""
+    _require("broadcast_object_list")
+    dist.broadcast_object_list(object_list, src=src, group=group)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    """Send `tensor` to global rank `dst` (point to point)."""
+    _require("send")
+    dist.send(tensor, dst, group=group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
+    """Receive into `tensor` from global rank `src` (any rank when None); returns the sender."""
+    _require("recv")
+    return dist.recv(tensor, src, group=group, tag=tag)
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """A barrier that names the ranks that did not arrive within `timeout` (gloo). Collective."""
+    _require("monitored_barrier")
+    dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
+def get_backend(group=None) -> str:
+    """The backend of `group` ("gloo", "nccl")."""
+    _require("get_backend")
+    return str(dist.get_backend(group))
+
+
 def destroy_process_group(group=None) -> None:
     """Tear down `group` (default: the default group and every other). Collective."""
     dist.destroy_process_group(group)

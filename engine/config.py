@@ -1256,7 +1256,9 @@ def _resolve_auto(
         keys = ", ".join(f"'{k}'" for k in left)
         raise ConfigError(
             f'{where}{keys} {"is" if len(left) == 1 else "are"} "auto" but no value was given. '
-            'Pass the value to zero.initialize (it fills "auto" entries) or write it in the config.'
+            'Write the value in the config (zero.initialize fills "auto" only in '
+            "optimizer.params, from an optimizer passed as optimizer=, and in bucket sizes, from "
+            "the model's config.hidden_size)."
         )
     if defaulted:
         notes.append(_defaults_taken(defaulted, where))

@@ -108,6 +108,7 @@ class Engine(torch.nn.Module):
         refuse_meta(model, comm.rank)  # e.g. built under torch.device("meta"), never loaded
         # Validate the optimizer and its param groups before any collective or device move.
         client_optimizer = optimizer is not None
+        _check_one_source(config, optimizer, lr_scheduler)
         optimizer = optimizer or self._config_optimizer(model_parameters)
         named_groups = self._named_groups(optimizer, client_optimizer)
         # Before the first collective: every rank built the same model with the same config.
@@ -170,6 +171,11 @@ class Engine(torch.nn.Module):
             self.gatherer.attach(
                 self.optimizer.buckets + (self.frozen.buckets if self.frozen else [])
             )
+            for bucket in self.gatherer.buckets:
+                for slot, param in zip(bucket.layout.slots, bucket.params):
+                    # DeepSpeed's names for a partitioned parameter's full size, which scripts
+                    # read (`p.ds_numel if hasattr(p, "ds_numel") else p.numel()`)
+                    param.ds_shape, param.ds_numel = torch.Size(slot.shape), slot.numel
             reduce_comm = comm.sibling("reduce-scatter", config.agreement_timeout)
             self.optimizer.attach_gatherer(self.gatherer, reduce_comm)
             if agreement is not None:
@@ -387,12 +393,24 @@ class Engine(torch.nn.Module):
             self.gatherer.release_all()  # no backward follows: release pinned units now
         return output
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate loss * loss_scale / gradient_accumulation_steps and reduce gradients.
+    def backward(
+        self,
+        loss: torch.Tensor,
+        retain_graph: bool = False,
+        scale_wrt_gas: bool = True,
+        allreduce_gradients: bool = True,
+        release_loss: bool = False,
+    ) -> torch.Tensor:
+        """Backpropagate loss * loss_scale / gradient_accumulation_steps and reduce gradients;
+        DeepSpeed's engine.backward. scale_wrt_gas=False leaves out the division by
+        gradient_accumulation_steps (the script scaled the loss itself). allreduce_gradients and
+        release_loss are accepted for DeepSpeed's signature: zero always reduces at the
+        boundary (use no_sync() to skip a reduction) and keeps no reference to the loss.
 
         Collective: every rank calls it once per micro-batch. Raises RuntimeError when called twice
         for one micro-batch without engine.step() in between.
         """
+        del allreduce_gradients, release_loss
         if self.phase is Phase.BACKWARD:
             if not self._step_optional:
                 raise RuntimeError(
@@ -404,7 +422,9 @@ class Engine(torch.nn.Module):
         self.phase = Phase.BACKWARD
         self._step_optional = self._no_sync or self._boundary is False
         self._counted = not self._no_sync  # DeepSpeed: no_sync's micro-batches do not count
-        scale = self.scaler.scale / self.config.gradient_accumulation_steps
+        scale = self.scaler.scale
+        if scale_wrt_gas:
+            scale /= self.config.gradient_accumulation_steps
         self._reduced = self.is_gradient_accumulation_boundary() and not self._no_sync
         self.optimizer.start_backward(reduce=self._reduced)
         self.monitor.record_loss(loss)
@@ -421,12 +441,13 @@ class Engine(torch.nn.Module):
             self.optimizer.finish_backward()
         return loss
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict | None = None) -> None:
         """Finish a micro-batch; at the accumulation boundary update parameters (collective).
 
         At the boundary: unscale, check overflow (fp16), clip to gradient_clipping, step the
         optimizer on the owned shards, all-gather parameters, step the lr scheduler (not on a
-        skipped step), and broadcast rank 0's floating-point buffers.
+        skipped step) with `lr_kwargs` as its keyword arguments (DeepSpeed's, e.g. Megatron's
+        {"increment": n}), and broadcast rank 0's floating-point buffers.
         """
         if self._no_sync:
             raise RuntimeError(
@@ -453,7 +474,7 @@ class Engine(torch.nn.Module):
                 self._step_applied = self.optimizer.step()
             if self._step_applied:
                 if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
                 self.skipped_steps += 1
             self._sync_buffers()
@@ -493,14 +514,20 @@ class Engine(torch.nn.Module):
         finally:
             self._no_sync = False
 
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the next micro-batches end a gradient accumulation, overriding the
         count of gradient_accumulation_steps; DeepSpeed's method of this name. With False, each
         backward ends its micro-batch without engine.step(); set True before the last
-        micro-batch's forward, then backward and step() apply the update. The loss is still
-        divided by gradient_accumulation_steps from the config. Every rank must set the same
-        values (the reduction at the boundary is collective)."""
-        self._boundary = bool(is_boundary)
+        micro-batch's forward, then backward and step() apply the update; None returns to the
+        count. The loss is still divided by gradient_accumulation_steps from the config. Every
+        rank must set the same values (the reduction at the boundary is collective). Raises
+        TypeError for anything but True, False or None."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(
+                "set_gradient_accumulation_boundary takes True, False or None (back to counting "
+                f"gradient_accumulation_steps), not {is_boundary!r}"
+            )
+        self._boundary = is_boundary
 
     def _check_no_unmanaged_gradients(self) -> None:
         """A parameter with a .grad at the step is one zero does not manage (its hook would have
@@ -554,10 +581,11 @@ class Engine(torch.nn.Module):
         # (units held by an enclosing zero.GatheredParameters stay gathered).
         self.gatherer.unhold(self._state_dict_holds.pop())
 
-    def _enter(self, method: str) -> None:
-        """Check that every rank calls collective method `method` (comm.Agreement.enter)."""
+    def _enter(self, method: str, arguments: int = 0) -> None:
+        """Check that every rank calls collective method `method` with equal `arguments` (a
+        hash; comm.Agreement.enter)."""
         if self.comm.agreement is not None:
-            self.comm.agreement.enter(method)
+            self.comm.agreement.enter(method, arguments)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> str | None:
         """Write the full model in the compute dtype (fp32/bf16/fp16) as one safetensors file
@@ -631,16 +659,28 @@ class Engine(torch.nn.Module):
         """Load save_dir/tag (default: the tag in `latest`), saved on any world size and stage.
 
         Collective: every rank must call it; each rank reads only the ranges it owns now.
-        Returns (checkpoint directory, client_state). Raises CheckpointError naming the file and
-        the key for a missing or truncated file or a model that does not fit, before any state
-        is modified.
+        Returns (checkpoint directory, client_state). Without `tag`, a load_dir that holds no
+        `latest` file (nothing saved yet: a first run of an auto-resuming script) loads nothing
+        and returns (None, None) with a warning, as DeepSpeed does; every rank must see the same
+        (RankMismatchError otherwise). Raises CheckpointError naming the file and the key for a
+        missing or truncated file or a model that does not fit, before any state is modified.
         """
         from . import checkpoint
 
-        self._enter("load_checkpoint")
+        load_dir = os.fspath(load_dir)
+        nothing = tag is None and not os.path.isfile(os.path.join(load_dir, checkpoint.LATEST))
+        self._enter("load_checkpoint", int(nothing))
+        if nothing:
+            logger.warning(
+                "load_checkpoint: %s has no '%s' file: nothing was loaded (pass tag= to load a "
+                "checkpoint by name)",
+                load_dir,
+                checkpoint.LATEST,
+            )
+            return None, None
         return checkpoint.load(
             self,
-            os.fspath(load_dir),
+            load_dir,
             tag,
             load_module_strict,
             load_optimizer_states,
@@ -730,6 +770,36 @@ class Engine(torch.nn.Module):
         from .memory import memory_report
 
         return memory_report(self)
+
+
+def _check_one_source(config, optimizer, lr_scheduler) -> None:
+    """An optimizer (or scheduler) passed to zero.initialize wins over the config's block, as in
+    DeepSpeed; say so once (warning) when the block asks for something else, rather than
+    ignoring it silently. A block whose type and params match the client optimizer (Hugging
+    Face's "auto" filled from it) is not mentioned."""
+    if lr_scheduler is not None and config.scheduler is not None:
+        logger.warning(
+            "zero.initialize got lr_scheduler=, so the config's 'scheduler' block (%s) is "
+            "ignored; remove one of them",
+            config.scheduler.type,
+        )
+    if optimizer is None or config.optimizer is None:
+        return
+    cls, kwargs = resolve_optimizer(config.optimizer.type, config.optimizer.params)
+    group = optimizer.param_groups[0]
+
+    def plain(value):
+        return list(value) if isinstance(value, (tuple, list)) else value
+
+    differing = [k for k, v in kwargs.items() if k in group and plain(group[k]) != plain(v)]
+    if not isinstance(optimizer, cls) or differing:
+        what = f"params {differing}" if differing else f"type {config.optimizer.type}"
+        logger.warning(
+            "zero.initialize got optimizer= (%s), so the config's 'optimizer' block, whose %s "
+            "differ from it, is ignored; remove the block (or pass no optimizer=)",
+            type(optimizer).__name__,
+            what,
+        )
 
 
 class ModelSnapshot:

@@ -154,8 +154,11 @@ def is_partitioned(tensor) -> bool:
 
 
 def full_shape(param) -> torch.Size:
-    """The parameter's full shape, also while zero.Init holds it partitioned."""
-    return param.zero_shard.shape if is_partitioned(param) else param.shape
+    """The parameter's full shape, also while zero.Init or a stage-3 engine (its `ds_shape`,
+    DeepSpeed's name) holds it partitioned."""
+    if is_partitioned(param):
+        return param.zero_shard.shape
+    return getattr(param, "ds_shape", param.shape)
 
 
 def full_numel(param) -> int:
@@ -276,7 +279,7 @@ class Init:
         # id(param) -> (param, CRC-32 of the value assigned to it), until it is next released
         # (see [Note: meta parameters and loaded values])
         self.assigned: dict[int, tuple] = {}
-        self._patched: dict[type, object] = {}  # class -> its own __init__
+        self._patched: dict[type, tuple] = {}  # class -> (its own __init__, zero's wrapper)
         self._subclass_hook = None
         self._register_hook = None
         self._set_env = False  # this context set HF_DEACTIVATE_ASYNC_LOAD
@@ -313,8 +316,14 @@ class Init:
         self._register_hook.remove()
         if self._set_env:
             os.environ.pop(_SEQUENTIAL_LOAD, None)
-        for cls, original in self._patched.items():
-            cls.__init__ = original
+        for cls, (original, wrapper) in self._patched.items():
+            # A class defined inside the context whose __init__ a class decorator replaced
+            # after __init_subclass__ wrapped it (transformers' use_experts_implementation on
+            # Mixtral's experts, imported lazily by from_pretrained) keeps the decorator's
+            # __init__: restoring `original` would drop it; zero's wrapper inside it only
+            # passes the call through once no context is open.
+            if cls.__dict__.get("__init__") is wrapper:
+                cls.__init__ = original
         self._patched.clear()
         if self._subclass_hook is None:
             del torch.nn.Module.__init_subclass__
@@ -331,8 +340,9 @@ class Init:
 
     def _wrap_init(self, cls) -> None:
         if "__init__" in cls.__dict__ and cls not in self._patched:
-            self._patched[cls] = cls.__dict__["__init__"]
-            cls.__init__ = _wrapped_init(cls.__dict__["__init__"])
+            original = cls.__dict__["__init__"]
+            cls.__init__ = _wrapped_init(original)
+            self._patched[cls] = (original, cls.__init__)
 
     # ----- partitioning ---------------------------------------------------------------------
     def _module_built(self, module) -> None:

@@ -198,7 +198,7 @@ class ZeroOptimizer:
         # id(param) -> (bucket, index in bucket.params): zero.utils finds a parameter's shards
         self._place = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         # The boundary micro-batch's reduced gradients are in the grad shards: from the end of
-        # its backward until step() / zero_grad() (zero.utils.safe_get_full_grad's window).
+        # its backward until step() / clear_gradients() (zero.utils.safe_get_full_grad's window).
         self.grads_reduced = False
         self._at_boundary = False
         self._hooks = self._register_hooks()
@@ -486,7 +486,7 @@ class ZeroOptimizer:
                 shard.mul_(factor)
             self._optimizer_step()
         self.scaler.update(bool(overflow), self.comm.rank)
-        self.zero_grad()
+        self.clear_gradients()
         return not overflow
 
     def _optimizer_step(self) -> None:
@@ -569,7 +569,16 @@ class ZeroOptimizer:
         if self.gatherer is not None:
             self.gatherer.refresh_persistent()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Accepted for training scripts that call optimizer.zero_grad() after engine.step(), as
+        with a torch optimizer. It discards nothing: zero accumulates gradients in its own
+        buffers over gradient_accumulation_steps micro-batches and clears them itself once the
+        optimizer step used them (clearing them between micro-batches would silently drop the
+        earlier ones). The model's parameters hold no .grad under zero."""
+        del set_to_none
+
+    def clear_gradients(self) -> None:
+        """Zero the accumulated and reduced gradients (after the optimizer step used them)."""
         for bucket in self.buckets:
             bucket.grad_shard.zero_()
             if bucket.accum is not None:

@@ -268,3 +268,8 @@ def _check_low_precision_out(param: torch.Tensor, out: torch.Tensor) -> None:
             f"a low-precision output must be contiguous with {param.numel()} elements "
             f"(its parameter's), got {out.numel()} (contiguous={out.is_contiguous()})"
         )
+
+
+# DeepSpeed's name for the host Adam (deepspeed.ops.adam.DeepSpeedCPUAdam); FusedAdam has the
+# same name in both.
+DeepSpeedCPUAdam = CPUAdam

@@ -13,6 +13,7 @@ import torch
 
 import zero
 from tests.distributed import run_ranks
+from zero.launcher.world import find_free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,6 +42,7 @@ def test_deepspeed_style_script_under_zrun_at_every_stage(tmp_path):
         out = tmp_path / f"results{stage}.json"
         command = [
             *(os.path.join(os.path.dirname(sys.executable), "zrun"), "--num_gpus", "2"),
+            *("--master_port", str(find_free_port())),
             os.path.join(REPO, "examples", "deepspeed_style.py"),
             *("--deepspeed", "--zero_config", str(path), "--epochs", "2"),
             *("--save_dir", str(tmp_path / f"ckpt{stage}"), "--results", str(out)),
@@ -183,6 +185,18 @@ def comm_on_ranks():
     out["reduce_scatter_tensor"] = received.tolist()
     dist.barrier()
     out["global_rank_of_1"] = dist.get_global_rank(torch.distributed.group.WORLD, 1)
+    value = torch.tensor([rank + 1.0])
+    dist.reduce(value, dst=0)
+    out["reduce"] = value.item()
+    sent = torch.arange(2.0 * world) + 10 * rank
+    exchanged = torch.zeros(2 * world)
+    dist.all_to_all_single(exchanged, sent)
+    out["all_to_all_single"] = exchanged.tolist()
+    objects = [{"from": rank}]
+    dist.broadcast_object_list(objects, src=1)
+    out["broadcast_object_list"] = objects[0]
+    out["backend"] = dist.get_backend()
+    dist.monitored_barrier()
     # The script's own collectives are not zero's traffic.
     engine, *_ = zero.initialize(model=Tiny(), config=small_config())
     engine.backward(engine(torch.randn(2, 5)))
@@ -206,6 +220,10 @@ def test_zero_comm_as_deepspeed_comm():
         # rank r receives elements 2r, 2r+1 of arange(4) * (1 + 2)
         assert out["reduce_scatter_tensor"] == [3.0 * (2 * rank), 3.0 * (2 * rank + 1)]
         assert out["global_rank_of_1"] == 1 and out["ledger_unchanged"]
+        assert out["reduce"] == (3.0 if rank == 0 else rank + 1.0)
+        # rank r receives chunk r of every rank s: [2r, 2r+1] + 10 s
+        assert out["all_to_all_single"] == [2 * rank, 2 * rank + 1, 2 * rank + 10, 2 * rank + 11]
+        assert out["broadcast_object_list"] == {"from": 1} and out["backend"] == "gloo"
 
 
 class Net(torch.nn.Module):
@@ -460,3 +478,118 @@ def test_engine_methods_mean_what_deepspeed_means(tmp_path):
         assert partial["optimizer_kept"] and partial["steps_restored"] == 4
         assert partial["lr_restored"] == out["lrs"][3]
         assert out["full_optimizer_restored"]
+
+
+# ----- more of DeepSpeed's surface, in one process -------------------------------------------
+def sgd_engine(stage=1, gas=2, **extra):
+    torch.manual_seed(0)
+    cfg = dict(small_config(gradient_accumulation_steps=gas, gradient_clipping=0.0), **extra)
+    cfg["zero_optimization"] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    engine, optimizer, _, _ = zero.initialize(model=Tiny(), config=cfg)
+    return engine, optimizer
+
+
+def weights(engine):
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def test_boundary_none_returns_to_counting_and_other_values_are_refused():
+    engine, _ = sgd_engine()
+    engine.set_gradient_accumulation_boundary(True)
+    assert engine.is_gradient_accumulation_boundary()
+    engine.set_gradient_accumulation_boundary(None)  # DeepSpeed's reset: count again
+    steps = []
+    for _ in range(4):
+        engine.backward(engine(torch.randn(2, 5)))
+        engine.step()
+        steps.append(engine.global_steps)
+    assert steps == [0, 1, 1, 2]
+    with pytest.raises(TypeError, match="True, False or None"):
+        engine.set_gradient_accumulation_boundary(1)
+
+
+def test_optimizer_zero_grad_between_micro_batches_discards_nothing():
+    """The habit `engine.step(); optimizer.zero_grad()` with accumulation: each update still
+    uses every micro-batch (it used only the last one)."""
+    torch.manual_seed(1)
+    batches = [torch.randn(2, 5) for _ in range(4)]
+    results = []
+    for habit in (False, True):
+        for stage in (0, 1, 2, 3):
+            engine, optimizer = sgd_engine(stage)
+            for x in batches:
+                engine.backward(engine(x))
+                engine.step()
+                if habit:
+                    optimizer.zero_grad()
+            results.append(weights(engine))
+    for got in results[1:]:
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(results[0], got))
+
+
+def test_backward_scale_wrt_gas_and_step_lr_kwargs():
+    """backward(scale_wrt_gas=False) leaves out 1/gradient_accumulation_steps; step(lr_kwargs=)
+    reaches the scheduler's step (Megatron passes {"increment": n})."""
+    x = torch.randn(2, 5)
+    scaled, _ = sgd_engine(gas=2)
+    unscaled, _ = sgd_engine(gas=2)
+    for engine, loss_factor, scale_wrt_gas in ((scaled, 1.0, True), (unscaled, 0.5, False)):
+        for _ in range(2):
+            engine.backward(engine(x) * loss_factor, scale_wrt_gas=scale_wrt_gas)
+            engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights(scaled), weights(unscaled)))
+
+    class Recorder:
+        def __init__(self, optimizer):
+            self.calls = []
+
+        def step(self, **kwargs):
+            self.calls.append(kwargs)
+
+    torch.manual_seed(0)
+    engine, _, _, scheduler = zero.initialize(
+        model=Tiny(), config=small_config(), lr_scheduler=lambda o: Recorder(o)
+    )
+    engine.backward(engine(x))
+    engine.step(lr_kwargs={"increment": 4})
+    engine.backward(engine(x))
+    engine.step()
+    assert scheduler.calls == [{"increment": 4}, {}]
+
+
+def test_auto_resume_from_an_empty_directory_loads_nothing(tmp_path, caplog):
+    engine, _ = sgd_engine()
+    with caplog.at_level("WARNING", logger="zero"):
+        assert engine.load_checkpoint(tmp_path / "none_yet") == (None, None)
+    assert "nothing was loaded" in caplog.text
+    with pytest.raises(zero.CheckpointError):
+        engine.load_checkpoint(tmp_path / "none_yet", tag="global_step5")  # asked by name
+
+
+def test_deepspeed_namespaces_and_stage3_full_sizes():
+    import zero.ops.adam
+
+    assert zero.zero.Init is zero.Init and zero.zero.GatheredParameters is zero.GatheredParameters
+    assert zero.ops.adam.DeepSpeedCPUAdam is zero.ops.CPUAdam
+    engine, _ = sgd_engine(stage=3)
+    for name, param in engine.module.named_parameters():
+        full = dict(Tiny().named_parameters())[name]
+        assert param.numel() == 0 and param.ds_numel == full.numel()
+        assert param.ds_shape == full.shape == zero.init.full_shape(param)
+
+
+def test_client_optimizer_or_scheduler_beside_a_config_block_is_said(caplog):
+    model = Tiny()
+    cfg = small_config(scheduler={"type": "WarmupLR", "params": {}})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # the config says lr 0.1
+    with caplog.at_level("WARNING", logger="zero"):
+        zero.initialize(model=model, optimizer=optimizer, config=cfg, lr_scheduler=lambda o: None)
+    assert "'scheduler' block (WarmupLR) is ignored" in caplog.text
+    assert "'optimizer' block, whose params ['lr'] differ from it, is ignored" in caplog.text
+    caplog.clear()
+    model = Tiny()
+    same = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="zero"):
+        zero.initialize(model=model, optimizer=same, config=small_config())
+    assert "ignored" not in caplog.text
