@@ -14,6 +14,8 @@ The module's last section is DeepSpeed's deepspeed.comm for training scripts (`f
 comm as dist`): thin wrappers over torch.distributed whose traffic is the script's, not counted.
 """
 
+import atexit
+import contextlib
 import datetime
 import enum
 import logging
@@ -26,6 +28,12 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 
 logger = logging.getLogger("zero")
+
+
+# torch 2.6 names these all_gather_into_tensor and reduce_scatter_tensor; newer torch calls them
+# *_single and warns on the old names.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 @dataclass
@@ -210,7 +218,7 @@ class Communicator:
         if isinstance(self.group, OwnGroup):
             launch = lambda: self.group.reduce_scatter(output, input, async_op)  # noqa: E731
         else:
-            launch = lambda: dist.reduce_scatter_tensor(  # noqa: E731
+            launch = lambda: _reduce_scatter_single(  # noqa: E731
                 output, input, group=self.group, async_op=async_op
             )
         return self._run("reduce_scatter", input, launch, async_op)
@@ -231,7 +239,7 @@ class Communicator:
         return self._run(
             "all_gather",
             output,
-            lambda: dist.all_gather_into_tensor(output, input, self.group, async_op),
+            lambda: _all_gather_single(output, input, group=self.group, async_op=async_op),
             async_op,
         )
 
@@ -512,6 +520,20 @@ def _side_group(purpose: str, ranks: list[int], backend, timeout_s) -> "OwnGroup
     return _SIDE_GROUPS[key][1]
 
 
+# Every backend OwnGroup created, shut down at interpreter exit: torch.distributed's
+# destroy_process_group does not know them, and a gloo backend left to be destroyed during
+# interpreter finalization (its worker threads still joinable) can abort the process
+# ("terminate called without an active exception") after a successful run.
+_OWN_BACKENDS: list = []
+
+
+def _shut_down_own_groups() -> None:
+    while _OWN_BACKENDS:
+        backend = _OWN_BACKENDS.pop()
+        with contextlib.suppress(Exception):  # exiting: one that cannot shut down is left
+            backend.shutdown()
+
+
 class OwnGroup:
     """A process group over `ranks` (global ranks, this rank among them) that zero creates for
     itself, outside torch's registry of groups: torch names the groups it creates by how many
@@ -542,6 +564,9 @@ class OwnGroup:
             self.backend = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             self.backend = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
+        if not _OWN_BACKENDS:
+            atexit.register(_shut_down_own_groups)
+        _OWN_BACKENDS.append(self.backend)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         work = self.backend._allgather_base(output, input, _c10d.AllgatherOptions())
@@ -744,7 +769,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     """Concatenate every rank's `input_tensor` (n elements) into `output_tensor` (world size *
     n elements), in rank order. Collective."""
     _require("all_gather_into_tensor")
-    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter(output, input_list: list, op=ReduceOp.SUM, group=None, async_op=False):
@@ -758,7 +783,7 @@ def reduce_scatter_tensor(output_tensor, input_tensor, op=ReduceOp.SUM, group=No
     """Reduce `input_tensor` (world size * n elements) over the ranks; rank r receives slice r
     (n elements) in `output_tensor`. Collective."""
     _require("reduce_scatter_tensor")
-    return dist.reduce_scatter_tensor(
+    return _reduce_scatter_single(
         output_tensor, input_tensor, op=op, group=group, async_op=async_op
     )
 
