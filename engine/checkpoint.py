@@ -1158,44 +1158,88 @@ def _apply_training_state(engine, meta, load_optimizer: bool, load_scheduler: bo
 
 
 # ----- consolidation --------------------------------------------------------------------------
+class ConsolidatedReader:
+    """A checkpoint's full tensors, read one at a time, without the original world size.
+
+    Args:
+        checkpoint_dir: a save_dir (its `latest` is followed, or `tag`) or a checkpoint
+            directory itself.
+        state: "master" for the weights, or an optimizer state kind such as "exp_avg" (then
+            only trained parameters are listed).
+        verify: check every file's crc32 recorded in meta.json first (one extra read).
+
+    `names`: every tensor once, trained parameters group by group, then the others (frozen
+    parameters, buffers) of module.safetensors; `ties`: alias -> canonical name for the names
+    a tied tensor also has (not in `names`). `shape(name)`, `dtype(name)` (as read: fp32 for
+    floating point) and `read(name)` (the full tensor, padding removed; master weights bitwise
+    the saved fp32 values) read only what the tensor needs, so a caller that writes each tensor
+    before reading the next holds one tensor, never the model. Raises CheckpointError.
+    """
+
+    def __init__(
+        self, checkpoint_dir: str, tag: str | None = None, state="master", verify: bool = True
+    ):
+        if os.path.isfile(os.path.join(checkpoint_dir, META)):
+            path = checkpoint_dir
+        else:
+            path = resolve(checkpoint_dir, tag)
+        meta = read_meta(path)
+        if verify:
+            verify_checksums(path, meta, meta["files"])
+        self.path, self.state, self.ties = path, state, dict(meta["ties"])
+        self._groups = GroupReader(path, meta)
+        self._trained: dict[str, tuple] = {}  # name -> (group, offset in group coordinates)
+        self._shapes: dict[str, tuple] = {}
+        for group, params in enumerate(meta["groups"]):
+            offset = 0
+            for p in params:
+                self._trained[p["name"]] = (group, offset)
+                self._shapes[p["name"]] = tuple(p["shape"])
+                offset += _numel(p["shape"])
+        self._module = _open(path, MODULE_FILE) if state == "master" else None
+        self._saved_dtypes: dict[str, str] = {}
+        for name in self._module.keys() if self._module is not None else ():
+            piece = self._module.get_slice(name)
+            self._shapes[name] = tuple(piece.get_shape())
+            self._saved_dtypes[name] = piece.get_dtype()
+        self.names = list(self._shapes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shapes
+
+    def shape(self, name: str) -> tuple:
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> torch.dtype:
+        saved = self._saved_dtypes.get(name, "F32")
+        if saved in _FLOAT_DTYPES:
+            return torch.float32
+        return next(d for d, n in _OTHER_DTYPES.items() if n == saved)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name in self._trained:
+            group, offset = self._trained[name]
+            numel = _numel(self._shapes[name])
+            return self._groups.read(group, self.state, offset, offset + numel).view(
+                self._shapes[name]
+            )
+        value = self._module.get_tensor(name)
+        return value.float() if value.is_floating_point() else value
+
+
 def consolidate(
     checkpoint_dir: str, tag: str | None = None, state: str = "master", verify: bool = True
 ) -> dict:
     """Full fp32 state dict of a checkpoint, in one process, without the original world size.
 
-    Args:
-        checkpoint_dir: a save_dir (its `latest` is followed) or a checkpoint directory itself.
-        state: "master" for the weights, or an optimizer state kind such as "exp_avg" (then only
-            trained parameters are returned).
-        verify: check every file's crc32 recorded in meta.json first (one extra read).
-
-    Returns name -> tensor for every parameter and buffer of the model (tied names included, as
-    equal copies), with padding removed; master weights are bitwise the saved fp32 values;
-    frozen parameters and floating-point buffers are cast to fp32. Raises CheckpointError.
+    Arguments as ConsolidatedReader's. Returns name -> tensor for every parameter and buffer of
+    the model (tied names included, as equal copies), with padding removed; master weights are
+    bitwise the saved fp32 values; frozen parameters and floating-point buffers are cast to
+    fp32. Raises CheckpointError.
     """
-    if os.path.isfile(os.path.join(checkpoint_dir, META)):
-        path = checkpoint_dir
-    else:
-        path = resolve(checkpoint_dir, tag)
-    meta = read_meta(path)
-    if verify:
-        verify_checksums(path, meta, meta["files"])
-    reader = GroupReader(path, meta)
-    out = {}
-    for group, params in enumerate(meta["groups"]):
-        total = sum(_numel(p["shape"]) for p in params)
-        flat = reader.read(group, state, 0, total)
-        offset = 0
-        for p in progress(params, f"consolidate group {group}", unit="tensor"):
-            n = _numel(p["shape"])
-            out[p["name"]] = flat[offset : offset + n].view(p["shape"]).clone()
-            offset += n
-    if state == "master":
-        handle = _open(path, MODULE_FILE)
-        for name in handle.keys():
-            value = handle.get_tensor(name)
-            out[name] = value.float() if value.is_floating_point() else value
-    for alias, canonical in meta["ties"].items():
+    reader = ConsolidatedReader(checkpoint_dir, tag, state, verify)
+    out = {name: reader.read(name) for name in progress(reader.names, "consolidate", unit="tensor")}
+    for alias, canonical in reader.ties.items():
         if canonical in out:
             out[alias] = out[canonical].clone()
     return out

@@ -43,14 +43,19 @@ from typing import NamedTuple
 
 import torch
 
-from .checkpoint import CheckpointError, publish_directory
+from .checkpoint import CheckpointError, ConsolidatedReader, publish_directory
 from .gathered import laid_out_buckets, owner
 from .init import is_partitioned, own_ops
 from .progress import progress
-from .safetensors_io import INDEX_FILE, SafetensorsReader, ShardedWriter, is_weights_file
+from .safetensors_io import (
+    INDEX_FILE,
+    SafetensorsReader,
+    ShardedWriter,
+    is_weights_file,
+    parse_size,
+)
 from .stage3 import UnitState
 from .stages import ZeroOptimizer
-from .zero_to_fp32 import parse_size
 
 
 class LoadResult(NamedTuple):
@@ -461,6 +466,84 @@ def save_pretrained(engine, save_dir, max_shard_size="5GB", dtype=None) -> str:
     return save_dir
 
 
+def checkpoint_to_pretrained(
+    checkpoint_dir, model, save_dir, tag=None, max_shard_size="5GB", dtype=None
+) -> str:
+    """Write a zero checkpoint (engine.save_checkpoint) in Hugging Face's layout, as
+    engine.save_pretrained would have written the model at that step (zero-to-fp32 --hf).
+
+    Args:
+        checkpoint_dir, tag: a save_dir (its `latest` is followed, or `tag`) or a checkpoint
+            directory itself.
+        model: the model the checkpoint was saved from, built on the meta device: its names,
+            shapes, ties, persistent buffers and config are read from it, no values.
+        save_dir, max_shard_size, dtype: as Engine.save_pretrained (values are the fp32 master
+            weights, frozen parameters and floating-point buffers, cast to `dtype`).
+
+    One process, any machine, without the world size the checkpoint was saved with. Every file's
+    crc32 is checked first; then one tensor is read and written at a time (ConsolidatedReader,
+    ShardedWriter), so memory holds one tensor, never the model. A tied tensor is written once
+    under its first name (transformers ties lm_head.weight again on load); non-persistent
+    buffers the checkpoint holds (rotary inv_freq) are left out. Atomic as save_pretrained.
+    Returns save_dir. Raises CheckpointError (a ValueError) naming the keys when the
+    checkpoint's tensors do not fit the model (missing, unexpected, another shape), before
+    anything is written; ValueError for a bad max_shard_size or dtype.
+    """
+    limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
+    if limit <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size!r} must be positive (e.g. '5GB')")
+    dtype = _export_dtype(dtype)
+    reader = ConsolidatedReader(os.fspath(checkpoint_dir), tag)
+    entries, sources = _checkpoint_entries(reader, model, dtype)
+    save_dir = os.fspath(save_dir)
+    tmp = save_dir.rstrip("/" + os.sep) + ".tmp"
+    writer = _start(tmp, entries, limit)
+    for (name, _, _), source in zip(progress(entries, "export", unit="tensor"), sources):
+        writer.write(name, reader.read(source))
+    _finish(model, writer, tmp, save_dir, dtype)
+    return save_dir
+
+
+def _checkpoint_entries(reader: ConsolidatedReader, model, dtype) -> tuple[list, list]:
+    """([(name, shape, dtype)] to write, [the checkpoint's name of each]): every parameter and
+    persistent buffer of `model` once, under its first name, in module order."""
+    skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    entries, sources, used, problems = [], [], set(), []
+    for target in _targets(model):
+        names = [reader.ties.get(n, n) for n in target.names]
+        found = next((n for n in names if n in reader), None)
+        if found is None:
+            problems.append(f"missing '{target.names[0]}'")
+            continue
+        used.add(found)
+        shape = tuple(target.tensor.shape)
+        if reader.shape(found) != shape:
+            problems.append(f"'{found}' has shape {reader.shape(found)}, the model {shape}")
+        if target.names[0] not in skip:
+            saved = reader.dtype(found)
+            entries.append((target.names[0], shape, dtype if saved.is_floating_point else saved))
+            sources.append(found)
+    used |= _non_persistent_buffers(model)
+    unexpected = [name for name in reader.names if name not in used]
+    if unexpected:
+        problems.append(f"unexpected {unexpected[:5]}" + " ..." * (len(unexpected) > 5))
+    if problems:
+        peft = any(name.startswith("base_model.model.") for name in reader.names)
+        raise CheckpointError(
+            f"{reader.path} does not fit {type(model).__name__}: {'; '.join(problems[:8])}"
+            + (" (a peft model's checkpoint: merge its adapters, see docs/hf.md)" if peft else "")
+        )
+    return entries, sources
+
+
+def _non_persistent_buffers(module) -> set[str]:
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules(remove_duplicate=False)
+        for name in sub._non_persistent_buffers_set
+    }
+
+
 def _export_dtype(dtype) -> torch.dtype:
     names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16}
     names.update({"bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16})
@@ -519,4 +602,10 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst, follow_symlinks=False)
 
 
-__all__ = ["INDEX_FILE", "LoadResult", "load_pretrained", "save_pretrained"]
+__all__ = [
+    "INDEX_FILE",
+    "LoadResult",
+    "checkpoint_to_pretrained",
+    "load_pretrained",
+    "save_pretrained",
+]

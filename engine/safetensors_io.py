@@ -43,6 +43,27 @@ _DTYPE_NAMES = {
 }
 
 
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10**9 bytes; plain integers are bytes. Raises ValueError naming the value."""
+    value = text.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if value.endswith(unit):
+            number = value[: -len(unit)].strip()
+            try:
+                return int(float(number) * _UNITS[unit])
+            except ValueError:
+                break
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"--max_shard_size {text!r}: expected bytes such as 500MB or 2GB"
+        ) from None
+
+
 def is_weights_file(name: str) -> bool:
     """A file name of the weights of an HF safetensors checkpoint (single, shard or index)."""
     return name == INDEX_FILE or _SHARD.fullmatch(name) is not None

@@ -1,6 +1,7 @@
 """Hugging Face pretrained weights under ZeRO: from_pretrained inside zero.Init partitions the
 model as it loads, zero.load_pretrained streams a safetensors checkpoint into plain, zero.Init and
-engine models (stages 0, 2, 3), and Engine.save_pretrained writes what from_pretrained reads back.
+engine models (stages 0, 2, 3), Engine.save_pretrained writes what from_pretrained reads back,
+and zero-to-fp32 --hf writes the same from a stage-3 checkpoint.
 
 The checkpoints are tiny Llama ("model." prefix, untied head) and GPT-2 ("transformer." prefix,
 lm_head tied to the token embedding) models built from a config and saved in several files (no
@@ -236,6 +237,29 @@ def load_into_engines(paths, out):
             }
 
 
+def checkpoints_for_the_hf_export(paths, out):
+    """Stage-3 engines (Llama; GPT-2 with its tied head) trained two steps, then
+    save_checkpoint and save_pretrained; the trained engine's logits for the export check."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import zero
+
+    rank = dist.get_rank()
+    data = tokens(steps=2)
+    x = data[0].flatten(0, 1)
+    for name in ("llama", "gpt2"):
+        with zero.Init(config=config(3)):
+            model = AutoModelForCausalLM.from_pretrained(paths[name])
+        engine, *_ = zero.initialize(model=model, config=config(3))
+        for batch in data:
+            engine.backward(engine(input_ids=batch[rank], labels=batch[rank]).loss)
+            engine.step()
+        engine.save_checkpoint(os.path.join(paths["out"], f"ckpt_{name}"))
+        engine.save_pretrained(os.path.join(paths["out"], f"saved_{name}"), max_shard_size="3KB")
+        out[f"checkpoint_{name}"] = logits_of(engine, x)
+
+
 def bf16_engines_keep_the_files_precision(paths, out):
     """fp32 files into bf16 engines: the fp32 master weights take the file's values, so the
     default (fp32) export gives the files back bitwise, dtype="bf16" their bf16 cast; one
@@ -355,6 +379,7 @@ def sweep(paths):
         init_from_pretrained,
         init_engine_trains_like_a_single_process,
         load_into_engines,
+        checkpoints_for_the_hf_export,
         bf16_engines_keep_the_files_precision,
         load_into_init_and_plain_models,
         errors,
@@ -412,6 +437,43 @@ def test_load_pretrained_into_engines_at_stages_0_2_3(per_rank):
         for stage in (0, 2):  # every tensor whole, once
             result = res[f"load_llama_stage{stage}"]["result"]
             assert result.bytes_read == file_bytes(paths["llama"])
+
+
+def test_zero_to_fp32_hf_export_of_a_checkpoint(per_rank, tmp_path, capsys):
+    """zero-to-fp32 --hf: a stage-3 checkpoint in HF's layout gives the trained engine's logits
+    and the tensors save_pretrained wrote (tied head dropped); config.json from --config-from,
+    or from the checkpoint directory; without one, an error that names the option."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from zero.zero_to_fp32 import main
+
+    paths, results = per_rank
+    x = tokens(steps=2)[0].flatten(0, 1)
+    for name in ("llama", "gpt2"):
+        checkpoint, out = os.path.join(paths["out"], f"ckpt_{name}"), tmp_path / name
+        argv = [checkpoint, str(out), "--hf", "--config-from", paths[name]]
+        assert main([*argv, "--max_shard_size", "3KB"]) == 0
+        files = sorted(os.listdir(out))
+        assert "config.json" in files and "model.safetensors.index.json" in files
+        assert len([f for f in files if f.startswith("model-")]) > 1
+        back = AutoModelForCausalLM.from_pretrained(out)
+        assert max_diff(logits_of(back, x), results[0][f"checkpoint_{name}"]) <= 1e-6, name
+        exported = file_tensors(out)
+        saved = file_tensors(os.path.join(paths["out"], f"saved_{name}"))
+        assert exported.keys() == saved.keys(), name
+        assert all(torch.equal(exported[k], saved[k]) for k in saved), name
+    assert "lm_head.weight" not in exported and "transformer.wte.weight" in exported
+    # config.json beside the checkpoint (model.config.save_pretrained(save_dir)); bf16 output
+    copy = tmp_path / "ckpt_with_config"
+    shutil.copytree(os.path.join(paths["out"], "ckpt_llama"), copy)
+    AutoConfig.from_pretrained(paths["llama"]).save_pretrained(copy)
+    assert main([str(copy), str(tmp_path / "bf16"), "--hf", "--dtype", "bf16"]) == 0
+    assert {v.dtype for v in file_tensors(tmp_path / "bf16").values()} == {torch.bfloat16}
+    assert main([checkpoint, str(tmp_path / "none"), "--hf"]) == 2
+    assert "pass --config-from MODEL_DIR" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
 
 
 def test_loading_reads_only_each_ranks_part_under_stage_3_and_init(per_rank):

@@ -76,6 +76,18 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(self.head(self.frozen(h)).flatten(0, 1), y.flatten())
 
 
+def _tagged_init(cls):
+    """A class decorator that replaces __init__, as transformers' use_experts_implementation."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.tagged = True
+
+    cls.__init__ = __init__
+    return cls
+
+
 def _partitioned(param):
     from zero.init import is_partitioned
 
@@ -166,7 +178,17 @@ def sweep():
                 self.w = nn.Parameter(torch.arange(12.0).view(4, 3))
 
         late = Late()
+
+        @_tagged_init  # replaces the __init__ that zero.Init wrapped when the class was made
+        class Decorated(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(4, 3))
+
     out["late"] = (late.w.numel(), gather_full(late.w).tolist())
+    # built after the context: the decorator's __init__ still runs (it sets `tagged`)
+    decorated = Decorated()
+    out["decorated"] = (getattr(decorated, "tagged", False), decorated.w.numel())
     # GatheredParameters before zero.initialize: read, then modify on rank 1
     with zero.GatheredParameters(model.pos):
         out["gathered_read"] = torch.equal(model.pos, reference.pos)
@@ -212,6 +234,7 @@ def test_values_equal_an_ordinary_construction_on_rank_0(per_rank):
         assert res["num_params"][0] == res["num_params"][1]
         assert res["tied"] and res["patches_restored"]
         assert res["late"] == (0, torch.arange(12.0).view(4, 3).tolist())
+        assert res["decorated"] == (True, 12)
         assert res["gathered_read"]
         assert res["modified"] == (0, [5.0] * DIM)
         assert "offload_param.device 'nvme'" in res["nvme"]
