@@ -83,17 +83,16 @@ class ReduceSettings:
     """What the sharded optimizer needs from the config (DeepSpeed key in brackets).
 
     stage: 0, 1 or 2 [zero_optimization.stage]. reduce_dtype: dtype stage 2 reduces gradients in
-    [communication_data_type, default the compute dtype]. accum_dtype: dtype of the gradient
-    buffers and shards [data_types.grad_accum_dtype, default fp32]. allgather_numel: the most parameter
+    [communication_data_type, default the compute dtype]. accum_dtype: dtype of the gradient buffers
+    and shards [data_types.grad_accum_dtype, default fp32]. allgather_numel: the most parameter
     elements all-gathered at once [zero_optimization.allgather_bucket_size]. clip: global-norm
     threshold, 0 disables [gradient_clipping]. overflow_check: skip steps whose gradients are not
     finite (fp16). model_parallel: a zero.mpu.ModelParallelNorm when the model is tensor-parallel,
     so the norm counts every model-parallel slice once. offload, pin_memory: keep fp32 master
     weights, their gradient and the optimizer state in (page-locked) host memory and step there
-    [zero_optimization.offload_optimizer.device "cpu", .pin_memory] (ZeRO-Offload).
-    offload_param, pin_param: stage 3 keeps each parameter shard in (page-locked) host memory and
-    copies it to the device for the all-gather [zero_optimization.offload_param.device "cpu",
-    .pin_memory].
+    [zero_optimization.offload_optimizer.device "cpu", .pin_memory] (ZeRO-Offload). offload_param,
+    pin_param: stage 3 keeps each parameter shard in (page-locked) host memory and copies it to the
+    device for the all-gather [zero_optimization.offload_param.device "cpu", .pin_memory].
     """
 
     stage: int

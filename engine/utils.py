@@ -18,10 +18,11 @@ all-gather at stages 1-3) or this rank's owned part (`safe_get_local_*`, `safe_s
 [Note: where a parameter's state lives]
 A trained parameter has a slot (offset, numel, shape) in one bucket of zero's flat buffers
 (engine/flat.py); rank r owns the slice `layout.owned_range(r)` of every bucket (stage 0: all of
-it). The bucket's `master` (fp32), `grad_shard` (the sum over ranks of loss-scaled
-gradients, in data_types.grad_accum_dtype; the getters return fp32) and the optimizer state of `master` are shaped like that owned slice, so one helper
-serves every full getter: all-gather the bucket-shaped shard into the padded bucket, cut out the
-slot. A rank's local part is the slot's overlap with its owned slice (possibly empty).
+it). The bucket's `master` (fp32), `grad_shard` (the sum over ranks of loss-scaled gradients, in
+data_types.grad_accum_dtype; the getters return fp32) and the optimizer state of `master` are shaped
+like that owned slice, so one helper serves every full getter: all-gather the bucket-shaped shard
+into the padded bucket, cut out the slot. A rank's local part is the slot's overlap with its owned
+slice (possibly empty).
 """
 
 import zlib
