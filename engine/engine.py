@@ -96,11 +96,6 @@ class Engine(torch.nn.Module):
     ):
         super().__init__()
         check_implemented(config)
-        if config.grad_accum_dtype != torch.float32:
-            raise NotImplementedError(
-                "data_types.grad_accum_dtype: only fp32 gradient accumulation is implemented; "
-                'remove the key or set it to "fp32"'
-            )
         self.config = config
         self.comm = comm
         self.accelerator = accelerator
@@ -261,6 +256,7 @@ class Engine(torch.nn.Module):
             pin_memory=bool(self._offload_optimizer and self._offload_optimizer.pin_memory),
             offload_param=self._offload_param is not None,
             pin_param=bool(self._offload_param and self._offload_param.pin_memory),
+            accum_dtype=self.config.grad_accum_dtype,
         )
 
     @property
@@ -761,6 +757,8 @@ class Engine(torch.nn.Module):
         return stats
 
     def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds per model-state kind: {"params", "grads", "master",
+        "optimizer_state"} (gradients in data_types.grad_accum_dtype). Not a collective."""
         return self.optimizer.model_state_bytes()
 
     def memory_report(self) -> dict:

@@ -5,18 +5,20 @@ cluster shape, print for stages 0-3, with and without optimizer offload, the byt
 (model states, zero's buffers and, given the transformer's shape, activations: the predicted
 peak of a training step) and per host, the per-step communication volume in units of Psi, and
 recommend the lowest stage that fits. Model states follow zero's own conventions
-(engine/memory.py, [Note: the two formulas]): fp32 gradient accumulation and buckets padded to a
-multiple of the data-parallel degree, so they match engine.memory_report() of a real run. Buffers,
-activations and the peak are engine/footprint.py's formulas.
+(engine/memory.py, [Note: the two formulas]): gradients in data_types.grad_accum_dtype (fp32 by
+default, --grad-accum-dtype) and buckets padded to a multiple of the data-parallel degree, so they
+match engine.memory_report() of a real run. Buffers, activations and the peak are
+engine/footprint.py's formulas. `--paper` prints the paper's Table 1 instead (section 5.4).
 """
 
 import argparse
+import decimal
 import importlib
 import json
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .footprint import (
     GLIBC_RETENTION,
@@ -53,7 +55,9 @@ class Options:
     """What the estimate assumes besides the model and the cluster (DeepSpeed key in brackets).
 
     dtype: compute dtype, "bf16", "fp16" or "fp32" [bf16/fp16.enabled]. reduce_dtype: dtype of the
-    gradient reduction, None for the compute dtype [communication_data_type]. Sizes in elements:
+    gradient reduction, None for the compute dtype [communication_data_type]. grad_accum_dtype:
+    dtype of the gradient buffers, "fp32" or the 2-byte compute dtype [data_types.grad_accum_dtype].
+    Sizes in elements:
     bucket_numel [reduce_bucket_size], allgather_numel [allgather_bucket_size], prefetch_numel
     [stage3_prefetch_bucket_size], persistence_threshold [stage3_param_persistence_threshold],
     persistence_total [stage3_model_persistence_threshold],
@@ -67,6 +71,7 @@ class Options:
 
     dtype: str = "bf16"
     reduce_dtype: str | None = None
+    grad_accum_dtype: str = "fp32"
     bucket_numel: int = 500_000_000
     allgather_numel: int = 500_000_000
     prefetch_numel: int = 50_000_000
@@ -87,6 +92,7 @@ class Options:
         values = dict(
             dtype=dtype[str(config.compute_dtype)],
             reduce_dtype=config.communication_data_type,
+            grad_accum_dtype=config.data_types.grad_accum_dtype or "fp32",
             bucket_numel=zero.reduce_bucket_size,
             allgather_numel=zero.allgather_bucket_size,
             prefetch_numel=zero.stage3_prefetch_bucket_size,
@@ -203,7 +209,8 @@ def estimate_stage(
     allocator's resident excess (footprint [Note: CPU ranks])."""
     num_shards = 1 if stage == 0 else cluster.world_size
     compute = DTYPE_BYTES[options.dtype]
-    spec = ModelStateSpec(stage, layout.padded_numel, num_shards, compute, 8, offload)
+    accum = DTYPE_BYTES[options.grad_accum_dtype]
+    spec = ModelStateSpec(stage, layout.padded_numel, num_shards, compute, 8, offload, accum)
     parts = model_state_formula(spec)
     host_per_rank = offloaded_bytes(parts) if offload else 0
     states = sum(v or 0 for v in parts.values()) - host_per_rank
@@ -216,6 +223,7 @@ def estimate_stage(
         options.allgather_numel,
         options.prefetch_numel,
         options.cpu,
+        accum,
     )
     peak = peak_bytes(states, layout, settings, activations, options.runtime_bytes, retention)
     # CPU ranks hold everything in host memory: a node holds devices_per_node processes.
@@ -295,7 +303,25 @@ def recommended_config(row: Estimate, options: Options, micro_batch: int = 1) ->
     }
     if options.dtype != "fp32":
         config[options.dtype] = {"enabled": True}
+    if options.grad_accum_dtype != "fp32":
+        config["data_types"] = {"grad_accum_dtype": options.grad_accum_dtype}
     return config
+
+
+def two_byte_offer(rows: list[Estimate], num_params: int, cluster: Cluster, options: Options, **kw):
+    """With fp32 accumulation and 2-byte compute: (options, row) of the same estimate with
+    grad_accum_dtype = the compute dtype when that recommends a lower stage or no offload where
+    fp32 accumulation does not (or fits where fp32 does not fit at all); else None. `kw`: model,
+    shape, as for estimate()."""
+    if options.grad_accum_dtype != "fp32" or options.dtype == "fp32":
+        return None
+    two = replace(options, grad_accum_dtype=options.dtype)
+    best, alt = recommend(rows), recommend(estimate(num_params, cluster, two, **kw))
+    if alt is None:
+        return None
+    if best is None or (alt.offload, alt.stage) < (best.offload, best.stage):
+        return two, alt
+    return None
 
 
 def format_table(
@@ -304,8 +330,8 @@ def format_table(
     gib = 2**30
     lines = [
         f"Psi = {psi:,} parameters, {cluster.nodes} node(s) x {cluster.devices_per_node} "
-        f"device(s), {options.dtype}, fp32 gradient accumulation (4-byte gradients), "
-        "Adam (8 B/element)",
+        f"device(s), {options.dtype}, {options.grad_accum_dtype} gradient accumulation "
+        f"({DTYPE_BYTES[options.grad_accum_dtype]}-byte gradients), Adam (8 B/element)",
         f"device memory {cluster.device_memory / gib:.1f} GiB, "
         f"host memory {cluster.host_memory / gib:.1f} GiB per node, "
         f"headroom {options.headroom:.0%}",
@@ -334,6 +360,54 @@ def format_table(
     return "\n".join(lines)
 
 
+# The paper's Table 1 (section 5.4): model sizes (Psi) and data-parallel degrees (N).
+PAPER_MODELS = ((7_500_000_000, "7.5B"), (128_000_000_000, "128B"), (10**12, "1T"))
+PAPER_DEVICES = (1, 4, 16, 64, 256, 1024)
+PAPER_STAGES = ("DP", "P_os", "P_os+g", "P_os+g+p")
+
+
+def paper_bytes(num_params: int, num_devices: int, stage: int, grad_bytes: int = 2) -> int:
+    """Model-state bytes per device in the paper's accounting: mixed-precision Adam (2-byte
+    parameters, K = 12), unpadded Psi, `grad_bytes` per gradient element (the paper: 2). Stage 0
+    is plain data parallelism (N = 1 shard)."""
+    shards = 1 if stage == 0 else num_devices
+    spec = ModelStateSpec(stage, num_params, shards, 2, 8, False, grad_bytes)
+    return sum(v or 0 for v in model_state_formula(spec).values())
+
+
+def paper_round(gigabytes: float) -> str:
+    """A figure as the paper's Table 1 prints it: from 100 GB whole gigabytes, cut (4187.5 ->
+    4187); below, 3 significant digits half up, at most 2 decimals (0.469 -> 0.47)."""
+    if gigabytes >= 100:
+        return str(int(gigabytes))
+    value = decimal.Decimal(repr(gigabytes))
+    digits = min(2, 2 - value.adjusted())
+    quantum = decimal.Decimal(1).scaleb(-digits)
+    text = str(value.quantize(quantum, rounding=decimal.ROUND_HALF_UP))
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def paper_table(grad_bytes: int = 2) -> str:
+    """The paper's Table 1: model states per device in GB (10**9 bytes) for 7.5B, 128B and 1T
+    parameters at N = 1 ... 1024, plain data parallelism and the three ZeRO-DP stages."""
+    width = 10
+    title = f"{'':>6}" + "".join(f"{name + ' model (GB)':^{4 * width}}" for _, name in PAPER_MODELS)
+    lines = [
+        "model states per device, the paper's Table 1 (mixed-precision Adam, K = 12, "
+        f"{grad_bytes}-byte gradients, GB = 1e9 bytes)",
+        title,
+        f"{'N':>6}" + "".join(f"{s:>{width}}" for s in PAPER_STAGES) * len(PAPER_MODELS),
+    ]
+    for devices in PAPER_DEVICES:
+        cells = [
+            paper_round(paper_bytes(psi, devices, stage, grad_bytes) / 1e9)
+            for psi, _ in PAPER_MODELS
+            for stage in range(4)
+        ]
+        lines.append(f"{devices:>6}" + "".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)
+
+
 def load_model(path: str, kwargs: dict):
     """'package.module:factory' -> factory(**kwargs), built on the meta device (no memory)."""
     import torch
@@ -356,12 +430,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=float, help="parameter count, e.g. 1.5e9")
     source.add_argument("--model", help="model factory 'package.module:callable'")
+    source.add_argument(
+        "--paper", action="store_true", help="print the paper's Table 1 (2-byte gradients)"
+    )
+    parser.add_argument(
+        "--config", help="a zero config: dtypes, bucket sizes and accumulation steps from it"
+    )
     parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments of --model")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--devices-per-node", type=int, default=8)
     parser.add_argument("--device-memory", default="80G", help="per device, e.g. 80G")
     parser.add_argument("--host-memory", default="512G", help="per node, e.g. 1T")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPE_BYTES), help="compute dtype (default: config, else bf16)"
+    )
+    parser.add_argument(
+        "--grad-accum-dtype",
+        choices=sorted(DTYPE_BYTES),
+        help="gradient accumulation dtype [data_types.grad_accum_dtype] (default: config, else "
+        "fp32); bf16/fp16 must be the compute dtype",
+    )
     parser.add_argument(
         "--reduce-bucket-size", type=float, default=5e8, help="elements per gradient bucket"
     )
@@ -401,22 +489,47 @@ def shape_from_args(args) -> TransformerShape | None:
     )
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    cluster = Cluster(
-        args.nodes,
-        args.devices_per_node,
-        parse_size(args.device_memory),
-        parse_size(args.host_memory),
-    )
-    options = Options(
-        dtype=args.dtype,
+def options_from_args(args) -> Options:
+    """Options of the command line; with --config, the config's, then the flags given.
+    Raises ValueError for a 2-byte accumulation dtype other than the compute dtype (the rule the
+    config enforces, docs/config.md)."""
+    given = dict(
         bucket_numel=int(args.reduce_bucket_size),
         checkpointing=args.activation_checkpointing,
         cpu=args.cpu_ranks,
         runtime_bytes=parse_size(args.runtime_memory),
         headroom=args.headroom,
     )
+    if args.dtype:
+        given["dtype"] = args.dtype
+    if args.grad_accum_dtype:
+        given["grad_accum_dtype"] = args.grad_accum_dtype
+    if args.config:
+        from .config import load_config
+
+        options = Options.from_config(load_config(args.config), **given)
+    else:
+        options = Options(**given)
+    if options.grad_accum_dtype not in ("fp32", options.dtype):
+        raise ValueError(
+            f"--grad-accum-dtype {options.grad_accum_dtype} does not fit {options.dtype} compute "
+            f"(data_types.grad_accum_dtype): use fp32 or {options.dtype}"
+        )
+    return options
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.paper:
+        print(paper_table(DTYPE_BYTES[args.grad_accum_dtype] if args.grad_accum_dtype else 2))
+        return 0
+    cluster = Cluster(
+        args.nodes,
+        args.devices_per_node,
+        parse_size(args.device_memory),
+        parse_size(args.host_memory),
+    )
+    options = options_from_args(args)
     shape = shape_from_args(args)
     model = None
     if args.model:
@@ -427,6 +540,15 @@ def main(argv=None) -> int:
     rows = estimate(psi, cluster, options, model, shape)
     print(format_table(rows, psi, cluster, options, shape))
     best = recommend(rows)
+    offer = two_byte_offer(rows, psi, cluster, options, model=model, shape=shape)
+    if offer is not None:
+        two, alt = offer
+        how = "with optimizer offload" if alt.offload else "without offload"
+        print(
+            f"with 2-byte gradients (data_types.grad_accum_dtype {two.grad_accum_dtype}, "
+            f"--grad-accum-dtype {two.grad_accum_dtype}): stage {alt.stage} {how} fits, "
+            f"{alt.per_device / 2**30:.3f} GiB per device (docs/config.md: when 2-byte is safe)"
+        )
     if best is None:
         print("no stage fits: add devices or nodes, or use a smaller model or micro-batch")
         return 1

@@ -31,8 +31,9 @@ What zero allocates on top of model states (docs/memory.md), with P = padded Psi
 - stage 2 (and 3) gradient staging: a bucket's full gradient in the reduce dtype, from its first
   gradient until its reduce-scatter is waited for; at most MAX_BUCKETS_IN_FLIGHT launched buckets
   plus one filling, so the (MAX_BUCKETS_IN_FLIGHT + 1) largest buckets. Receive buffers (1/N of a
-  bucket each) exist when reducing in a dtype other than fp32 or after the first micro-batch.
-  Stages 0 and 1 accumulate into their fp32 buffer, a model state: nothing extra.
+  bucket each) exist when reducing in a dtype other than the accumulation dtype
+  [data_types.grad_accum_dtype] or after the first micro-batch. Stages 0 and 1 accumulate into
+  their accumulation buffer, a model state: nothing extra.
 - stage 3 gathered parameters: the persistent unit always; during forward and backward the unit
   in use plus up to stage3_prefetch_bucket_size elements prefetched, never more than the model.
   The weights layers save for backward do not keep released units alive (engine/stage3.py,
@@ -40,7 +41,9 @@ What zero allocates on top of model states (docs/memory.md), with P = padded Psi
 - gloo (CPU) copies the whole buffer of a reduce-scatter or all-gather while it runs; NCCL works
   in place.
 - the optimizer step: Adam's update makes temporaries of the shard's size (torch's per-tensor
-  loop on CPU: two of one bucket's shard; foreach on CUDA: one of all shards).
+  loop on CPU: two of one bucket's shard; foreach on CUDA: one of all shards). With 2-byte
+  gradient accumulation, the fp32 copy of every owned gradient shard (4 Psi / N bytes) exists
+  from the start of the step to its end.
 
 [Note: peak]
 The step's peak is the largest of three moments: the start of backward (activations + working
@@ -151,6 +154,7 @@ class BufferSettings:
     reduction [communication_data_type]. num_shards: N. gradient_accumulation_steps [same].
     allgather_numel [zero_optimization.allgather_bucket_size]. prefetch_numel
     [stage3_prefetch_bucket_size]. gloo: the backend copies collective buffers (CPU runs).
+    accum_bytes: bytes per gradient element kept [data_types.grad_accum_dtype]: 4 or 2.
     """
 
     stage: int
@@ -161,6 +165,7 @@ class BufferSettings:
     allgather_numel: int = 500_000_000
     prefetch_numel: int = 50_000_000
     gloo: bool = False
+    accum_bytes: int = 4
 
 
 def buffer_bytes(layout: LayoutSummary, settings: BufferSettings) -> dict[str, int]:
@@ -172,7 +177,7 @@ def buffer_bytes(layout: LayoutSummary, settings: BufferSettings) -> dict[str, i
     if st.stage < 2:
         return terms
     terms["gradient staging"] = sum(in_flight) * st.reduce_bytes
-    if st.reduce_bytes != 4 or st.gradient_accumulation_steps > 1:
+    if st.reduce_bytes != st.accum_bytes or st.gradient_accumulation_steps > 1:
         terms["receive buffers"] = sum(in_flight) // st.num_shards * st.reduce_bytes
     if st.gloo:
         # The bucket still filling is not reducing yet: at most the others are in flight.
@@ -193,6 +198,8 @@ def step_bytes(layout: LayoutSummary, settings: BufferSettings) -> int:
     shard = layout.padded_numel // st.num_shards
     largest_shard = layout.bucket_numels[0] // st.num_shards
     optimizer = 4 * max(shard, 2 * largest_shard)
+    if st.accum_bytes != 4:  # step()'s fp32 copy of the 2-byte gradient shards
+        optimizer += 4 * shard
     gathered = 0
     if st.gloo and st.stage in (1, 2) and st.num_shards > 1:
         gathered = min(layout.padded_numel, max(st.allgather_numel, layout.bucket_numels[0]))
@@ -203,12 +210,12 @@ def step_bytes(layout: LayoutSummary, settings: BufferSettings) -> int:
 def end_of_backward_bytes(layout: LayoutSummary, settings: BufferSettings) -> int:
     """Bytes on top of model states at the end of backward, activations freed: the gradient
     buckets still reducing and gloo's copies of them. Stage 1 launches all of its buckets then
-    and reduces its fp32 accumulation buffer in place (no staging)."""
+    and reduces its accumulation buffer in place (no staging)."""
     st = settings
     if st.stage == 0 or st.num_shards == 1:
         return 0
     if st.stage == 1:
-        return 4 * layout.padded_numel if st.gloo else 0
+        return st.accum_bytes * layout.padded_numel if st.gloo else 0
     reducing = sum(layout.bucket_numels[:MAX_BUCKETS_IN_FLIGHT])
     copies = reducing if st.gloo else 0
     persistent = layout.persistent_numel * st.compute_bytes if st.stage == 3 else 0

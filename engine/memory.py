@@ -4,10 +4,11 @@
 The paper (ZeRO, section 3.1 and figure 1) counts mixed-precision Adam as 2 bytes of fp16
 parameters, 2 bytes of fp16 gradients and K = 12 bytes of fp32 master weights, momentum and
 variance per parameter: DP 16 Psi, stage 1 4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N,
-stage 3 16 Psi / N. zero accumulates gradients in fp32 (data_types.grad_accum_dtype), so its
-gradient term is 4 bytes, not 2: DP 18 Psi, stage 1 6 Psi + 12 Psi / N, stage 2 2 Psi +
-16 Psi / N, stage 3 18 Psi / N. With fp32 compute the fp32 parameters are the master weights (no
-copy), so K drops to 8. Every report prints both and says which one the measurement follows.
+stage 3 16 Psi / N. zero accumulates gradients in data_types.grad_accum_dtype: with bf16/fp16
+(2-byte gradients) a rank holds exactly the paper's figures; with the default fp32 the gradient
+term is 4 bytes, not 2: DP 18 Psi, stage 1 6 Psi + 12 Psi / N, stage 2 2 Psi + 16 Psi / N,
+stage 3 18 Psi / N. With fp32 compute the fp32 parameters are the master weights (no copy), so K
+drops to 8. Every report prints both and says which gradient width the measurement follows.
 
 zero's own convention also sets Psi: each bucket is padded to a multiple of N (flat.py), so the
 per-rank figures use the padded element count; the paper's Psi (unpadded) differs by under 1%.
@@ -23,7 +24,7 @@ ADAM_LIKE = frozenset({"Adam", "AdamW", "CPUAdam", "FusedAdam", "Adamax", "NAdam
 CATEGORIES = ("params", "grads", "master", "optimizer_state", "host_grad")
 CATEGORY_TITLES = {
     "params": "low-precision parameters",
-    "grads": "fp32 gradient buffers/shards",
+    "grads": "gradient buffers/shards",
     "master": "fp32 master weights",
     "optimizer_state": "optimizer state",
     "host_grad": "host gradient copy (offload)",
@@ -38,6 +39,8 @@ class ModelStateSpec:
     ranks that split each bucket (1 for stage 0). compute_bytes: bytes of one element of the
     compute dtype (2 for bf16/fp16, 4 for fp32). state_bytes: optimizer-state bytes per element
     (8 for Adam-like optimizers; None when unknown). offload: optimizer offload to the host.
+    grad_bytes: bytes of one gradient element [data_types.grad_accum_dtype]: 4 for fp32 (zero's
+    default), 2 for bf16/fp16 (the paper's count). The offload host copy is always fp32.
     """
 
     stage: int
@@ -46,17 +49,18 @@ class ModelStateSpec:
     compute_bytes: int = 2
     state_bytes: int | None = 8
     offload: bool = False
+    grad_bytes: int = 4
 
 
 def model_state_formula(spec: ModelStateSpec) -> dict[str, int | None]:
-    """Bytes per rank per category under zero's conventions (fp32 gradient accumulation,
+    """Bytes per rank per category under zero's conventions (gradients of spec.grad_bytes,
     padded Psi; see [Note: the two formulas]). Keys are CATEGORIES; None when unknown."""
     psi, n = spec.numel, spec.num_shards
     shard = psi // n
     master_aliases = spec.compute_bytes == 4 and not spec.offload
     return {
         "params": (shard if spec.stage == 3 else psi) * spec.compute_bytes,
-        "grads": 4 * (psi if spec.stage < 2 else shard),
+        "grads": spec.grad_bytes * (psi if spec.stage < 2 else shard),
         "master": 0 if master_aliases else 4 * shard,
         "optimizer_state": None if spec.state_bytes is None else spec.state_bytes * shard,
         "host_grad": 4 * shard if spec.offload else 0,
@@ -68,16 +72,16 @@ def offloaded_bytes(bytes_by_category: dict) -> int:
     return sum(bytes_by_category.get(k) or 0 for k in ("master", "optimizer_state", "host_grad"))
 
 
-def formula_text(stage: int, compute_bytes: int) -> tuple[str, str]:
-    """(paper formula with 2-byte gradients, zero's formula with 4-byte fp32 gradients), per
-    rank, in Psi and N; for fp32 compute, K = 8 (no separate master copy)."""
+def formula_text(stage: int, compute_bytes: int, grad_bytes: int = 4) -> tuple[str, str]:
+    """(paper formula with 2-byte gradients, zero's formula with `grad_bytes`-byte gradients),
+    per rank, in Psi and N; for fp32 compute, K = 8 (no separate master copy)."""
     paper = {0: "16 Psi", 1: "4 Psi + 12 Psi/N", 2: "2 Psi + 14 Psi/N", 3: "16 Psi/N"}[stage]
-    p, k = compute_bytes, (12 if compute_bytes != 4 else 8)
+    p, g, k = compute_bytes, grad_bytes, (12 if compute_bytes != 4 else 8)
     ours = {
-        0: f"{p + 4 + k} Psi",
-        1: f"{p + 4} Psi + {k} Psi/N",
-        2: f"{p} Psi + {4 + k} Psi/N",
-        3: f"{p + 4 + k} Psi/N",
+        0: f"{p + g + k} Psi",
+        1: f"{p + g} Psi + {k} Psi/N",
+        2: f"{p} Psi + {g + k} Psi/N",
+        3: f"{p + g + k} Psi/N",
     }[stage]
     return paper, ours
 
@@ -106,11 +110,13 @@ def memory_report(engine) -> dict:
 
     Returns {"rank", "stage", "world_size", "num_shards", "psi", "psi_padded", "measured",
     "formula", "offloaded_bytes", "paper_formula", "zero_formula", "gradient_bytes"}; bytes are
-    per rank. Not a collective.
+    per rank; gradient_bytes is 4 (fp32) or 2 (data_types.grad_accum_dtype bf16/fp16). Not a
+    collective.
     """
     opt = engine.optimizer
     layout = opt.layout
     compute_bytes = torch.empty(0, dtype=engine.config.compute_dtype).element_size()
+    grad_bytes = torch.empty(0, dtype=engine.config.grad_accum_dtype).element_size()
     spec = ModelStateSpec(
         stage=engine.config.zero.stage,
         numel=layout.padded_numel,
@@ -118,9 +124,10 @@ def memory_report(engine) -> dict:
         compute_bytes=compute_bytes,
         state_bytes=state_bytes_per_element(opt.optimizer),
         offload=opt.settings.offload,
+        grad_bytes=grad_bytes,
     )
     measured = measure(opt)
-    paper, ours = formula_text(spec.stage, compute_bytes)
+    paper, ours = formula_text(spec.stage, compute_bytes, grad_bytes)
     return {
         "rank": engine.comm.rank,
         "stage": spec.stage,
@@ -133,7 +140,7 @@ def memory_report(engine) -> dict:
         "offloaded_bytes": offloaded_bytes(measured) if spec.offload else 0,
         "paper_formula": paper,
         "zero_formula": ours,
-        "gradient_bytes": 4,
+        "gradient_bytes": grad_bytes,
     }
 
 
@@ -154,8 +161,10 @@ def format_report(report: dict) -> str:
     lines.append(f"{'total model states':<32}{total:>16,}{want_total:>16,}{total / 2**20:>10.2f}")
     if report["offloaded_bytes"]:
         lines.append(f"of which in host memory (offload): {report['offloaded_bytes']:,} B")
+    width = report["gradient_bytes"]
+    accum = "fp32" if width == 4 else "2-byte"
     lines.append(
-        f"formula: zero (fp32 gradient accumulation, 4-byte gradients) {report['zero_formula']}; "
-        f"paper (2-byte gradients) {report['paper_formula']}"
+        f"formula: zero ({accum} gradient accumulation, {width}-byte gradients) "
+        f"{report['zero_formula']}; paper (2-byte gradients) {report['paper_formula']}"
     )
     return "\n".join(lines)

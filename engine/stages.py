@@ -4,9 +4,12 @@ One code path serves three policies:
 
 | stage | gradient buffer kept across micro-batches | reduction            | when             |
 |-------|--------------------------------------------|----------------------|------------------|
-| 0     | full, fp32                                 | all-reduce, in place | last micro-batch |
-| 1     | full, fp32                                 | reduce-scatter       | last micro-batch |
-| 2     | only the owned fp32 shard                  | reduce-scatter       | every micro-batch|
+| 0     | full                                       | all-reduce, in place | last micro-batch |
+| 1     | full                                       | reduce-scatter       | last micro-batch |
+| 2     | only the owned shard                       | reduce-scatter       | every micro-batch|
+
+The gradient buffers are in the accumulation dtype [data_types.grad_accum_dtype]: fp32 by
+default, or the 2-byte compute dtype (the paper's 2-byte gradients; [Note: 2-byte gradients]).
 
 In every stage a rank keeps fp32 master weights and optimizer state only for the slices it owns
 (stage 0 owns everything), steps the optimizer on them, and all-gathers the updated slices back
@@ -18,6 +21,15 @@ launched strictly in index order: a bucket that is ready early waits for its pre
 rank therefore issues the same collectives in the same order, whatever order autograd produced
 gradients in and whichever parameters a rank left unused (their gradients are zero). Buckets still
 not launched when backward ends are launched by finish_backward().
+
+[Note: 2-byte gradients]
+With grad_accum_dtype bf16/fp16 the accumulation buffer (stages 0, 1) and the reduced shard
+(stages 2, 3) are 2-byte, so a rank holds the paper's 2 bytes per gradient element. Micro-batch
+gradients are added in that dtype and reduced in it (stages 0 and 1 reduce the accumulation
+buffer in place; stages 2 and 3 in communication_data_type, default the compute dtype). Only at
+step() is an fp32 copy of each owned shard made (4 bytes per owned element, transient): the
+global norm, overflow check, unscaling and clipping run on it and the optimizer reads it as the
+fp32 master weights' gradient; it is freed when the step ends. No full-size fp32 gradient exists.
 """
 
 import enum
@@ -71,16 +83,16 @@ class ReduceSettings:
     """What the sharded optimizer needs from the config (DeepSpeed key in brackets).
 
     stage: 0, 1 or 2 [zero_optimization.stage]. reduce_dtype: dtype stage 2 reduces gradients in
-    [communication_data_type, default the compute dtype]. allgather_numel: the most parameter
+    [communication_data_type, default the compute dtype]. accum_dtype: dtype of the gradient buffers
+    and shards [data_types.grad_accum_dtype, default fp32]. allgather_numel: the most parameter
     elements all-gathered at once [zero_optimization.allgather_bucket_size]. clip: global-norm
     threshold, 0 disables [gradient_clipping]. overflow_check: skip steps whose gradients are not
     finite (fp16). model_parallel: a zero.mpu.ModelParallelNorm when the model is tensor-parallel,
     so the norm counts every model-parallel slice once. offload, pin_memory: keep fp32 master
     weights, their gradient and the optimizer state in (page-locked) host memory and step there
-    [zero_optimization.offload_optimizer.device "cpu", .pin_memory] (ZeRO-Offload).
-    offload_param, pin_param: stage 3 keeps each parameter shard in (page-locked) host memory and
-    copies it to the device for the all-gather [zero_optimization.offload_param.device "cpu",
-    .pin_memory].
+    [zero_optimization.offload_optimizer.device "cpu", .pin_memory] (ZeRO-Offload). offload_param,
+    pin_param: stage 3 keeps each parameter shard in (page-locked) host memory and copies it to the
+    device for the all-gather [zero_optimization.offload_param.device "cpu", .pin_memory].
     """
 
     stage: int
@@ -93,6 +105,7 @@ class ReduceSettings:
     pin_memory: bool = False
     offload_param: bool = False
     pin_param: bool = False
+    accum_dtype: torch.dtype = torch.float32
 
 
 class Bucket:
@@ -101,9 +114,11 @@ class Bucket:
     param_buffer: (padded_numel,) compute dtype, the storage the model's parameters view.
     master: (shard_numel,) fp32 owned weights the optimizer updates; aliases the owned slice of
         param_buffer when the compute dtype is fp32 (no copy, no cast).
-    grad_shard: (shard_numel,) fp32 owned, reduced gradient; a view of the accumulation buffer in
-        stages 0 (all of it) and 1 (the owned slice).
-    accum: (padded_numel,) fp32 gradient accumulated over micro-batches (stages 0 and 1 only).
+    grad_shard: (shard_numel,) accumulation dtype (fp32 or 2-byte), owned, reduced gradient; a
+        view of the accumulation buffer in stages 0 (all of it) and 1 (the owned slice).
+    accum: (padded_numel,) accumulation dtype, gradient accumulated over micro-batches (stages 0
+        and 1 only).
+    host_grad: (shard_numel,) fp32 host copy of the unscaled, clipped owned gradient (offload).
     """
 
     def __init__(self, layout: BucketLayout, params, param_buffer, shard: int, stage: int):
@@ -250,8 +265,9 @@ class ZeroOptimizer:
         else:
             bucket.master = full[begin:end].clone()
         del full
+        accum_dtype = self.settings.accum_dtype
         if self.settings.stage < 2:
-            bucket.accum = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+            bucket.accum = torch.zeros(layout.padded_numel, dtype=accum_dtype, device=device)
         if self.settings.stage == 0:
             bucket.grad_shard = bucket.accum
         elif self.settings.stage == 1:
@@ -259,8 +275,12 @@ class ZeroOptimizer:
             # reduced gradient, so stage 1 holds no second gradient buffer.
             bucket.grad_shard = bucket.accum[begin:end]
         else:
-            bucket.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-        bucket.master.grad = bucket.host_grad if self.settings.offload else bucket.grad_shard
+            bucket.grad_shard = torch.zeros(layout.shard_numel, dtype=accum_dtype, device=device)
+        # A 2-byte shard cannot be the fp32 master's .grad: step() binds an fp32 copy.
+        if self.settings.offload:
+            bucket.master.grad = bucket.host_grad
+        elif accum_dtype == torch.float32:
+            bucket.master.grad = bucket.grad_shard
         if self.settings.stage == 3:
             bucket.param_buffer = None
             return
@@ -392,7 +412,7 @@ class ZeroOptimizer:
             bucket.handle = self.comm.reduce_scatter(bucket.grad_shard, bucket.accum, True)
         else:
             source = bucket.complete_staging(self.settings.reduce_dtype)
-            direct = self._first_reduce and source.dtype == torch.float32
+            direct = self._first_reduce and source.dtype == bucket.grad_shard.dtype
             if direct:
                 output = bucket.grad_shard
             else:
@@ -473,7 +493,7 @@ class ZeroOptimizer:
             # otherwise leave this rank waiting in the buffers' broadcast (with shards, the
             # gradient norm's sum is this check, see _global_norm).
             self.comm.agreement.check(Intent.STEP)
-        shards = [b.grad_shard for b in self.buckets]
+        shards = [self._fp32_grad(b) for b in self.buckets]
         # The shards hold sum-over-ranks of loss-scaled gradients; averaging, unscaling and
         # clipping are folded into one multiplication.
         unscale = 1.0 / (self.comm.world_size * self.scaler.scale)
@@ -484,19 +504,33 @@ class ZeroOptimizer:
             factor = unscale * self._clip_coefficient(norm)
             for shard in shards:
                 shard.mul_(factor)
-            self._optimizer_step()
+            self._optimizer_step(shards)
         self.scaler.update(bool(overflow), self.comm.rank)
         self.clear_gradients()
         return not overflow
 
-    def _optimizer_step(self) -> None:
-        """Step on the master shards (on the host with offload) and refresh the parameters."""
+    @staticmethod
+    def _fp32_grad(bucket: Bucket) -> torch.Tensor:
+        """(shard_numel,) fp32: the owned reduced gradient itself with fp32 accumulation, else a
+        transient fp32 copy of the 2-byte shard ([Note: 2-byte gradients])."""
+        shard = bucket.grad_shard
+        return shard if shard.dtype == torch.float32 else shard.to(torch.float32)
+
+    def _optimizer_step(self, grads: list[torch.Tensor]) -> None:
+        """Step on the master shards (on the host with offload) and refresh the parameters.
+        grads: per bucket, the (shard_numel,) fp32 unscaled, clipped owned gradient."""
         if not self.settings.offload:
+            transient = self.settings.accum_dtype != torch.float32
+            for bucket, grad in zip(self.buckets, grads):
+                bucket.master.grad = grad
             self.optimizer.step()
+            if transient:  # free the fp32 copies: the 2-byte shards stay the only gradient
+                for bucket in self.buckets:
+                    bucket.master.grad = None
             self.refresh_params()
             return
-        for bucket in self.buckets:
-            bucket.host_grad.copy_(bucket.grad_shard, non_blocking=bucket.host_grad.is_pinned())
+        for bucket, grad in zip(self.buckets, grads):
+            bucket.host_grad.copy_(grad, non_blocking=bucket.host_grad.is_pinned())
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the host optimizer reads host_grad next
         fused = self._fused_copy_targets()
@@ -598,14 +632,19 @@ class ZeroOptimizer:
         return place if place is not None and place[0].params[place[1]] is param else None
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes per rank held for model states, by kind (parameters, gradients, master weights,
-        optimizer state), measured from the tensors themselves."""
+        """Bytes per rank held for model states, by kind: {"params", "grads", "master",
+        "optimizer_state"} -> bytes, measured from the tensors themselves (gradients in the
+        accumulation dtype, 2 or 4 bytes per element; step()'s transient fp32 copy is not held).
+        Not a collective."""
         param = sum(
             (b.param_shard if self.settings.stage == 3 else b.param_buffer).numel()
             * b.param_shard.element_size()
             for b in self.buckets
         )
-        grad = sum((b.grad_shard if b.accum is None else b.accum).numel() * 4 for b in self.buckets)
+        grad = sum(
+            (b.grad_shard if b.accum is None else b.accum).numel() * b.grad_shard.element_size()
+            for b in self.buckets
+        )
         master = sum(b.master.numel() * 4 for b in self.buckets if b.master is not b.param_shard)
         state = 0
         for per_param in self.optimizer.state.values():

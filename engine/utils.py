@@ -18,10 +18,11 @@ all-gather at stages 1-3) or this rank's owned part (`safe_get_local_*`, `safe_s
 [Note: where a parameter's state lives]
 A trained parameter has a slot (offset, numel, shape) in one bucket of zero's flat buffers
 (engine/flat.py); rank r owns the slice `layout.owned_range(r)` of every bucket (stage 0: all of
-it). The bucket's `master` (fp32), `grad_shard` (fp32, the sum over ranks of loss-scaled
-gradients) and the optimizer state of `master` are shaped like that owned slice, so one helper
-serves every full getter: all-gather the bucket-shaped shard into the padded bucket, cut out the
-slot. A rank's local part is the slot's overlap with its owned slice (possibly empty).
+it). The bucket's `master` (fp32), `grad_shard` (the sum over ranks of loss-scaled gradients, in
+data_types.grad_accum_dtype; the getters return fp32) and the optimizer state of `master` are shaped
+like that owned slice, so one helper serves every full getter: all-gather the bucket-shaped shard
+into the padded bucket, cut out the slot. A rank's local part is the slot's overlap with its owned
+slice (possibly empty).
 """
 
 import zlib
@@ -189,7 +190,9 @@ def _reduced_grad(target: _Target, caller: str) -> torch.Tensor:
             "holds its own partial sums; after, the step has consumed them)"
         )
     # The shard holds the sum over ranks of loss-scaled gradients; step() multiplies the same way.
-    return target.bucket.grad_shard * (1.0 / (optimizer.comm.world_size * optimizer.scaler.scale))
+    # fp32 even when the shard is 2-byte (data_types.grad_accum_dtype bf16/fp16).
+    shard = target.bucket.grad_shard.to(torch.float32)
+    return shard * (1.0 / (optimizer.comm.world_size * optimizer.scaler.scale))
 
 
 def _state(target: _Target, key: str, caller: str):

@@ -138,3 +138,44 @@ def test_cli_activations_and_cpu_ranks(capsys):
         assert row.per_host >= 2 * row.per_device  # CPU ranks: the node holds both processes
         assert row.offload or row.per_host == 2 * row.per_device
         assert row.peak.allocator > 0  # glibc retention of the uncheckpointed activations
+
+
+def test_paper_table_reproduces_the_published_figures(capsys):
+    # ZeRO paper, Table 1 (GB = 1e9 bytes): 7.5B parameters at N = 64, and 1T at N = 1024.
+    assert estimator.main(["--paper"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert rows["64"][:4] == ["120", "31.4", "16.6", "1.88"]
+    assert rows["1024"][11] == "15.6"
+    assert rows["1"] == ["120"] * 4 + ["2048"] * 4 + ["16000"] * 4
+    assert rows["256"][3] == "0.47" and rows["4"][2] == "41.3"
+
+
+def test_grad_accum_dtype_flag_config_and_offer(tmp_path, capsys):
+    base = ["--params", "7.5e9", "--devices-per-node", "64"]
+    cluster = estimator.Cluster(devices_per_node=64)
+    padded = estimator.padded_numel(64 * 10**6, 64, 10**12)  # one bucket, padded
+    for accum, grad_bytes in (("bf16", 2), ("fp32", 4)):
+        options = estimator.Options(grad_accum_dtype=accum, bucket_numel=10**12)
+        row = next(r for r in estimator.estimate(64 * 10**6, cluster, options) if r.stage == 1)
+        assert row.model_states == (2 + grad_bytes) * padded + 12 * (padded // 64)
+    assert estimator.main([*base, "--grad-accum-dtype", "bf16"]) == 0
+    assert "bf16 gradient accumulation (2-byte gradients)" in capsys.readouterr().out
+    path = tmp_path / "zero.json"
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 1,
+                "bf16": {"enabled": True},
+                "data_types": {"grad_accum_dtype": "bf16"},
+            }
+        )
+    )
+    assert estimator.main([*base, "--config", str(path)]) == 0
+    assert "bf16 gradient accumulation" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="does not fit fp32 compute"):
+        estimator.main([*base, "--dtype", "fp32", "--grad-accum-dtype", "bf16"])
+    # 40G devices: fp32 accumulation needs stage 2 at N = 64; 2-byte gradients fit stage 1.
+    assert estimator.main([*base, "--device-memory", "40G"]) == 0
+    printed = capsys.readouterr().out
+    assert "recommended: stage 2 without offload" in printed
+    assert "grad_accum_dtype bf16" in printed and "stage 1 without offload fits" in printed

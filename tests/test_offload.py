@@ -42,8 +42,10 @@ def _train(stage, dtype, gas, offload, offload_param, steps, load=None):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_param:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if dtype == "bf16":
+    if dtype in ("bf16", "bf16-accum"):
         cfg["bf16"] = {"enabled": True}
+    if dtype == "bf16-accum":  # 2-byte gradient shards, fp32 host copy for the host optimizer
+        cfg["data_types"] = {"grad_accum_dtype": "bf16"}
     params = [{k: v for k, v in g.items() if k != "weight_decay"} for g in param_groups(model)]
     engine, _, _, _ = zero.initialize(model=model, model_parameters=params, config=cfg)
     if load is not None:
@@ -77,6 +79,9 @@ def sweep(root):
             out[(stage, dtype, gas, "offload_param")] = (plain, both)
             params_only = run(stage, dtype, gas, offload=False, offload_param=True)
             out[(stage, dtype, gas, "offload_param only")] = (plain, params_only)
+    for stage in (1, 2, 3):
+        plain = run(stage, "bf16-accum", 2, offload=False)
+        out[(stage, "bf16-accum", 2)] = (plain, run(stage, "bf16-accum", 2, offload=True))
     for stage in (2, 3):  # a checkpoint resumes with offload switched on or off
         plain = run(stage, "fp32", 1, offload=False)
         for before in (True, False):
