@@ -14,13 +14,12 @@ The module's last section is DeepSpeed's deepspeed.comm for training scripts (`f
 comm as dist`): thin wrappers over torch.distributed whose traffic is the script's, not counted.
 """
 
-import atexit
-import contextlib
 import datetime
 import enum
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -508,30 +507,19 @@ def _default_fix(a, b) -> str:
 
 # Process groups zero creates beside the data-parallel group: creating one is collective and
 # costs sockets, so engines over the same ranks share them, as long as the default group they
-# were made under (kept here, so its id cannot be reused) is the current one.
-_SIDE_GROUPS: dict[tuple, tuple[object, "OwnGroup"]] = {}
+# were made under is the current one. That group is held by a weak reference: a strong one
+# would keep it alive after destroy_process_group(), and its gloo worker threads, still
+# running when the interpreter shuts down, then abort the finished process when they free a
+# collective's tensors ("terminate called without an active exception").
+_SIDE_GROUPS: dict[tuple, tuple[weakref.ref, "OwnGroup"]] = {}
 
 
 def _side_group(purpose: str, ranks: list[int], backend, timeout_s) -> "OwnGroup":
     default = dist.distributed_c10d._get_default_group()
     key = (purpose, tuple(ranks), timeout_s)
-    if key not in _SIDE_GROUPS or _SIDE_GROUPS[key][0] is not default:
-        _SIDE_GROUPS[key] = default, OwnGroup(purpose, ranks, backend, timeout_s)
+    if key not in _SIDE_GROUPS or _SIDE_GROUPS[key][0]() is not default:
+        _SIDE_GROUPS[key] = weakref.ref(default), OwnGroup(purpose, ranks, backend, timeout_s)
     return _SIDE_GROUPS[key][1]
-
-
-# Every backend OwnGroup created, shut down at interpreter exit: torch.distributed's
-# destroy_process_group does not know them, and a gloo backend left to be destroyed during
-# interpreter finalization (its worker threads still joinable) can abort the process
-# ("terminate called without an active exception") after a successful run.
-_OWN_BACKENDS: list = []
-
-
-def _shut_down_own_groups() -> None:
-    while _OWN_BACKENDS:
-        backend = _OWN_BACKENDS.pop()
-        with contextlib.suppress(Exception):  # exiting: one that cannot shut down is left
-            backend.shutdown()
 
 
 class OwnGroup:
@@ -564,9 +552,6 @@ class OwnGroup:
             self.backend = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             self.backend = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
-        if not _OWN_BACKENDS:
-            atexit.register(_shut_down_own_groups)
-        _OWN_BACKENDS.append(self.backend)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         work = self.backend._allgather_base(output, input, _c10d.AllgatherOptions())
@@ -855,7 +840,14 @@ def get_backend(group=None) -> str:
 
 
 def destroy_process_group(group=None) -> None:
-    """Tear down `group` (default: the default group and every other). Collective."""
+    """Tear down `group` (default: the default group and every other). Collective: every rank
+    calls it when done. For the default group a barrier comes first, so that no rank exits while
+    peers still talk to it and the gloo worker threads have freed the script's earlier
+    collectives before the interpreter shuts down (a gloo worker that frees a Python tensor
+    during shutdown aborts the finished process: "terminate called without an active
+    exception")."""
+    if group is None and is_initialized():
+        dist.barrier()
     dist.destroy_process_group(group)
 
 

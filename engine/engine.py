@@ -32,6 +32,7 @@ from .init import (
     full_shape,
     guard_load_state_dict,
     is_partitioned,
+    name_full_size,
     refuse_meta,
     take_full,
 )
@@ -48,7 +49,7 @@ from .stage3 import (
     is_leaf,
     unmanaged_parameter,
 )
-from .stages import ReduceSettings, ZeroOptimizer
+from .stages import ReduceSettings, ZeroOptimizer, check_optimizer
 
 logger = logging.getLogger("zero")
 
@@ -114,6 +115,7 @@ class Engine(torch.nn.Module):
         # A scheduler that cannot be built (a misspelled parameter) fails before the model is
         # touched; it drives the param groups' lr, which zero keeps.
         self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
+        check_optimizer(optimizer)
         snapshot = ModelSnapshot(model)
         try:
             self._build(named_groups, optimizer, agreement, mpu)
@@ -170,7 +172,7 @@ class Engine(torch.nn.Module):
                 for slot, param in zip(bucket.layout.slots, bucket.params):
                     # DeepSpeed's names for a partitioned parameter's full size, which scripts
                     # read (`p.ds_numel if hasattr(p, "ds_numel") else p.numel()`)
-                    param.ds_shape, param.ds_numel = torch.Size(slot.shape), slot.numel
+                    name_full_size(param, slot.shape)
             reduce_comm = comm.sibling("reduce-scatter", config.agreement_timeout)
             self.optimizer.attach_gatherer(self.gatherer, reduce_comm)
             if agreement is not None:
@@ -804,24 +806,37 @@ class ModelSnapshot:
     """What Engine construction changes on a model, to put back when construction fails: every
     module's and parameter's hook tables (zero adds forward, state_dict and gradient hooks), the
     tensor each parameter holds (zero rebinds parameters to its flat buffers or, at stage 3,
-    releases them) and its attributes (a zero.Init shard is dropped once laid out). Tensors
-    are referenced, not copied."""
+    releases them) and its attributes. Tensors are referenced, not copied.
+
+    A zero.Init parameter's slice is not kept: holding it while the engine lays the parameter out
+    would double each rank's share of the model during initialize (the memory a model that does
+    not fit cannot spare). Everything that can be refused is checked before construction starts
+    (config, optimizer, scheduler); should the layout itself fail for such a model, restore()
+    says the model must be built again."""
 
     def __init__(self, model: torch.nn.Module):
         self.modules = [(m, _hook_tables(m)) for m in model.modules()]
+        named = list(model.named_parameters())
+        self.hooks = [(p, _hook_tables(p)) for _, p in named]
         self.params = [
-            (p, p.data, p.grad, dict(vars(p)), _hook_tables(p))
-            for p in dict.fromkeys(model.parameters())
+            (p, p.data, p.grad, dict(vars(p))) for _, p in named if not is_partitioned(p)
         ]
+        self.partitioned = [(n, p) for n, p in named if is_partitioned(p)]
 
     def restore(self) -> None:
-        for module, tables in self.modules:
-            _set_hook_tables(module, tables)
-        for param, data, grad, attributes, tables in self.params:
+        for owner, tables in self.modules + self.hooks:
+            _set_hook_tables(owner, tables)
+        for param, data, grad, attributes in self.params:
             param.data, param.grad = data, grad
             vars(param).clear()
             vars(param).update(attributes)
-            _set_hook_tables(param, tables)
+        lost = [name for name, p in self.partitioned if not is_partitioned(p)]
+        if lost:
+            logger.error(
+                "zero.initialize failed after laying out zero.Init parameters %s: build the "
+                "model again (under zero.Init) before retrying",
+                lost[:5],
+            )
 
 
 _TENSOR_HOOKS = ("_post_accumulate_grad_hooks", "_backward_hooks")

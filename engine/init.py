@@ -153,6 +153,12 @@ def is_partitioned(tensor) -> bool:
     return isinstance(getattr(tensor, "zero_shard", None), InitShard)
 
 
+def name_full_size(param, shape) -> None:
+    """DeepSpeed's attributes for a partitioned parameter's full size, which libraries read
+    (peft sizes LoRA layers from `ds_shape`; scripts count `ds_numel`)."""
+    param.ds_shape, param.ds_numel = torch.Size(shape), torch.Size(shape).numel()
+
+
 def full_shape(param) -> torch.Size:
     """The parameter's full shape, also while zero.Init or a stage-3 engine (its `ds_shape`,
     DeepSpeed's name) holds it partitioned."""
@@ -368,6 +374,7 @@ class Init:
 
     def _partition(self, param) -> None:
         """Broadcast rank 0's value, keep this rank's slice. Collective."""
+        name_full_size(param, param.shape)
         param.zero_shard = self._new_shard(param.device)
         with self._own_ops():
             release_in_place(param)
@@ -377,6 +384,7 @@ class Init:
         a value is assigned or loaded. Its slice will live on the host until then."""
         shard = self._new_shard(torch.device("cpu"))
         shard.shape, shard.gathered = param.shape, False
+        name_full_size(param, param.shape)
         param.zero_shard = shard
 
     def _on_register(self, module, name, param):
@@ -392,6 +400,7 @@ class Init:
             self._defer(param)
             return None
         shard = self._new_shard(param.device)
+        name_full_size(param, param.shape)
         with torch.no_grad(), self._own_ops():
             self.assigned[id(param)] = (param, _crc32(param.data))
             shard.keep(param.data)

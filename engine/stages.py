@@ -78,6 +78,23 @@ class BucketState(enum.Enum):
     REDUCED = "reduced"  # reduced gradients are in grad_shard
 
 
+def check_optimizer(optimizer) -> None:
+    """Raise NotImplementedError for an optimizer ZeRO cannot shard (it needs whole tensors or a
+    closure), ValueError for one that has stepped already (its state belongs to other tensors).
+    Called before the model is touched."""
+    name = type(optimizer).__name__
+    if name in UNSUPPORTED_OPTIMIZERS:
+        raise NotImplementedError(
+            f"optimizer {name} cannot run under ZeRO: {UNSUPPORTED_OPTIMIZERS[name]}; use an "
+            "element-wise optimizer (Adam, AdamW, SGD, Adagrad, ...)"
+        )
+    if not all(_unstepped(state) for state in optimizer.state.values()):
+        raise ValueError(
+            "the optimizer passed to zero.initialize already has state (it has stepped); "
+            "pass a freshly constructed optimizer"
+        )
+
+
 @dataclass
 class ReduceSettings:
     """What the sharded optimizer needs from the config (DeepSpeed key in brackets).
@@ -309,18 +326,7 @@ class ZeroOptimizer:
     def _bind_optimizer(self) -> None:
         """Point the optimizer's param groups at this rank's master shards, keeping every
         hyper-parameter. State that the optimizer created at construction (Adagrad's sum) is
-        created again for the shards; state from earlier steps is an error."""
-        name = type(self.optimizer).__name__
-        if name in UNSUPPORTED_OPTIMIZERS:
-            raise NotImplementedError(
-                f"optimizer {name} cannot run under ZeRO: {UNSUPPORTED_OPTIMIZERS[name]}; use an "
-                "element-wise optimizer (Adam, AdamW, SGD, Adagrad, ...)"
-            )
-        if not all(_unstepped(state) for state in self.optimizer.state.values()):
-            raise ValueError(
-                "the optimizer passed to zero.initialize already has state (it has stepped); "
-                "pass a freshly constructed optimizer"
-            )
+        created again for the shards (check_optimizer refused anything else)."""
         had_state = len(self.optimizer.state) > 0
         for group_index, group in enumerate(self.optimizer.param_groups):
             group["params"] = [b.master for b in self.buckets if b.layout.group == group_index]

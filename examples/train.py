@@ -201,8 +201,7 @@ def main() -> None:
         f"final: train_loss={train_loss:.4f} val_loss={val_loss:.4f} unigram_entropy={nats:.4f}",
     )
     if dist.is_initialized():
-        dist.barrier()  # no rank closes its sockets while a peer still talks to it
-        dist.destroy_process_group()
+        zero.comm.destroy_process_group()  # a barrier first: every rank exits cleanly
 
 
 if __name__ == "__main__":
