@@ -353,16 +353,24 @@ def _write_files(engine, directory: str, frozen: dict) -> dict:
     return written
 
 
+def _refuse_constant(name: str):
+    """json.loads' hook for NaN and Infinity, which zero never writes: a meta.json holding one
+    was edited, and a non-finite lr or step would train NaN weights."""
+    raise ValueError(f"non-finite number {name} (zero writes only finite numbers)")
+
+
 def _check_tag(tag) -> None:
     """A tag is a plain directory name that cannot collide with zero's own files and leaves
     room for the '.tmp' suffix within the 255-byte file-name limit."""
     if not isinstance(tag, str):
         raise CheckpointError(f"checkpoint tag {tag!r} is a {type(tag).__name__}, not a str")
     reserved = tag in (".", "..", LATEST) or tag.endswith((".tmp", ".old"))
-    if not tag or reserved or "/" in tag or os.sep in tag or "\0" in tag:
+    blank = tag != tag.strip() or any(not c.isprintable() for c in tag)  # `latest` is stripped
+    if not tag or reserved or blank or "/" in tag or os.sep in tag:
         raise CheckpointError(
-            f"checkpoint tag {tag!r} is not a plain directory name (no '/', not '.', '..' or "
-            f"'{LATEST}', not ending in '.tmp' or '.old')"
+            f"checkpoint tag {tag!r} is not a plain directory name (no '/', no leading or "
+            f"trailing space, no control character, not '.', '..' or '{LATEST}', not ending in "
+            "'.tmp' or '.old')"
         )
     try:
         size = len(tag.encode("utf-8"))
@@ -728,8 +736,11 @@ def resolve(load_dir: str, tag: str | None) -> str:
         latest = os.path.join(load_dir, LATEST)
         if not os.path.isfile(latest):
             raise CheckpointError(f"{latest} does not exist; pass tag= or save with save_latest")
-        with open(latest) as handle:
-            tag = handle.read().strip()
+        try:
+            with open(latest, "rb") as handle:
+                tag = handle.read().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{latest}: unreadable ({error})") from None
     _check_tag(tag)
     path = os.path.join(load_dir, tag)
     if os.path.isfile(os.path.join(path, META)):
@@ -754,8 +765,8 @@ def read_meta(path: str) -> dict:
     try:
         with open(meta_path, "rb") as handle:
             text = handle.read().decode("utf-8")
-        meta = json.loads(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        meta = json.loads(text, parse_constant=_refuse_constant)
+    except (OSError, ValueError, RecursionError) as error:  # JSON, UTF-8, NaN, depth
         raise CheckpointError(f"{meta_path}: unreadable ({error})") from None
     found = meta.get("format") if isinstance(meta, dict) else None
     if found != FORMAT:
@@ -986,12 +997,29 @@ def _training_state_problems(meta, engine, load_optimizer: bool, load_scheduler:
     scheduler = engine.lr_scheduler
     if load_scheduler and scheduler is not None and meta["lr_scheduler"] is not None:
         now = _jsonable(scheduler.state_dict())
+        found = _kind_problems(meta["lr_scheduler"], now, "lr_scheduler")
+        if not found:
+            found = _scheduler_refuses(scheduler, meta["lr_scheduler"])
         problems += [
             f"{p} ({type(scheduler).__name__}'s state; pass load_lr_scheduler_states=False to "
             "keep this run's schedule)"
-            for p in _kind_problems(meta["lr_scheduler"], now, "lr_scheduler")
+            for p in found
         ]
     return problems
+
+
+def _scheduler_refuses(scheduler, saved: dict) -> list[str]:
+    """Try the saved state on the scheduler and put its own back: the scheduler's own checks
+    (a negative step count) must fail here, before the load changes anything, not after the
+    weights were written."""
+    own = scheduler.state_dict()
+    try:
+        scheduler.load_state_dict(saved)
+    except (ValueError, TypeError, KeyError) as error:
+        return [f"key 'lr_scheduler': {error}"]
+    finally:
+        scheduler.load_state_dict(own)
+    return []
 
 
 _JSON_KINDS = {bool: "a bool", int: "a number", float: "a number", str: "a string"}

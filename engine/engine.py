@@ -666,7 +666,7 @@ class Engine(torch.nn.Module):
         from . import checkpoint
 
         load_dir = os.fspath(load_dir)
-        nothing = tag is None and not os.path.isfile(os.path.join(load_dir, checkpoint.LATEST))
+        nothing = tag is None and not os.path.lexists(os.path.join(load_dir, checkpoint.LATEST))
         self._enter("load_checkpoint", int(nothing))
         if nothing:
             logger.warning(

@@ -329,7 +329,7 @@ def test_errors_name_file_and_key(tmp_path):
         engine.save_checkpoint(tmp_path, client_state={"t": (1, 2)})
     with pytest.raises(CheckpointError, match=r"client_state\[1\]"):
         engine.save_checkpoint(tmp_path, client_state={1: "a"})
-    for bad in ("../evil", "a/b", "..", "x.tmp", "", "latest", "best.old"):
+    for bad in ("../evil", "a/b", "..", "x.tmp", "", "latest", "best.old", " C", "C\n", "C "):
         with pytest.raises(CheckpointError, match="plain directory name"):
             engine.save_checkpoint(tmp_path, tag=bad)
     engine.save_checkpoint(tmp_path, tag="good")

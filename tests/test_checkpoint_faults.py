@@ -89,6 +89,9 @@ def del_key(key):
 
 
 BAD = [  # (damage, the error: file and key)
+    (set_key("lr_scheduler", "last_batch_iteration", value=-1000), r"key 'lr_scheduler': .*>= -1"),
+    (set_key("param_groups", 0, "lr", value=float("nan")), r"meta\.json: unreadable.*NaN"),
+    (set_key("loss_scaler", "scale", value=float("inf")), r"meta\.json: unreadable.*Infinity"),
     (del_key("files"), r"meta\.json: key 'files': Field required"),
     (del_key("ranks"), r"meta\.json: key 'ranks': Field required"),
     (set_key("lr_scheduler", value={}), r"meta\.json: key 'lr_scheduler' lacks"),
