@@ -1056,8 +1056,11 @@ def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
         return {k: _checked(v, _join(key, k), where, depth + 1) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
         return [_checked(v, _join(key, i), where, depth + 1) for i, v in enumerate(node)]
-    if (isinstance(node, float) and not math.isfinite(node)) or (
-        isinstance(node, str) and node in _NON_FINITE_TEXT
+    huge = isinstance(node, int) and not isinstance(node, bool) and abs(node) > _FLOAT_MAX
+    if (
+        huge
+        or (isinstance(node, float) and not math.isfinite(node))
+        or (isinstance(node, str) and node in _NON_FINITE_TEXT)
     ):
         raise ConfigError(
             f"{where}invalid value for '{key}': {_show(node)}. Non-finite numbers (inf, -inf, "
@@ -1066,6 +1069,11 @@ def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
             "literal beyond about 1.8e308, such as 1e400, also reads as infinity)."
         )
     return node
+
+
+# An integer beyond the largest float: as an lr or eps it overflows inside the optimizer's first
+# step, so it counts as non-finite.
+_FLOAT_MAX = sys.float_info.max
 
 
 def _join(key: str, part: Any) -> str:

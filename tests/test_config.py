@@ -1067,3 +1067,10 @@ def test_settings_without_effect_only_without_model_parallelism():
 def test_features_zero_does_not_have_are_said_once(block, words):
     lines = settings_without_effect(load(block), model_parallel_world_size=1)
     assert len(lines) == 1 and words in lines[0]
+
+
+def test_integers_beyond_float_range_are_non_finite():
+    """10**400 as an lr passed initialize and raised OverflowError inside the first step."""
+    with pytest.raises(ConfigError, match=r"invalid value for 'optimizer\.params\.lr'"):
+        load({"optimizer": {"type": "AdamW", "params": {"lr": 10**400}}})
+    assert load({"optimizer": {"type": "AdamW", "params": {"lr": 10**300}}})  # a float still
