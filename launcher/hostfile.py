@@ -86,7 +86,7 @@ def decode_lines(data: bytes, what: str) -> list[str]:
     """The lines of a UTF-8 text file's bytes. Raises ValueError naming `what` and the first
     line that is not UTF-8 (a hostfile saved in another encoding, or a binary file)."""
     try:
-        return data.decode("utf-8").splitlines()
+        return data.decode("utf-8-sig").splitlines()  # a byte order mark (Windows editors) too
     except UnicodeDecodeError:
         for line_number, raw in enumerate(data.splitlines(), start=1):
             try:

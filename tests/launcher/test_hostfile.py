@@ -213,3 +213,9 @@ def test_include_without_a_hostfile_says_what_was_selected(tmp_path, monkeypatch
         "--include: host 'worker-0' is not in this machine (no hostfile given: 'localhost' "
         "with 2 slot(s)): hosts ['localhost']" in err
     )
+
+
+def test_hostfile_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_bytes("\ufeffworker-0 slots=2\r\nworker-1 slots=1\r\n".encode("utf-8"))
+    assert parse_hostfile(str(path)) == {"worker-0": 2, "worker-1": 1}
