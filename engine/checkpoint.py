@@ -1102,8 +1102,13 @@ def _read_module_file(path: str, engine, laid_out: set[int], strict: bool):
     return values, [f"{MODULE_FILE}: {p}" for p in problems]
 
 
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-_OTHER_DTYPES = {
+# torch dtype -> safetensors' name for it (the format's spec lists these); also what
+# safetensors_io writes.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
     torch.int64: "I64",
     torch.int32: "I32",
     torch.int16: "I16",
@@ -1111,6 +1116,8 @@ _OTHER_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_OTHER_DTYPES = {d: n for d, n in SAFETENSORS_DTYPES.items() if not d.is_floating_point}
 
 
 def _dtype_fits(saved: str, dtype: torch.dtype) -> bool:

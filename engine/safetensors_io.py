@@ -24,23 +24,10 @@ import sys
 import torch
 from safetensors import safe_open
 
-from .checkpoint import CheckpointError
+from .checkpoint import SAFETENSORS_DTYPES, CheckpointError
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-# torch dtype -> safetensors' name (the format's spec lists these)
-_DTYPE_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -182,7 +169,7 @@ class ShardedWriter:
         if sys.byteorder != "little":
             raise NotImplementedError("writing safetensors on a big-endian host")
         for name, _, dtype in entries:
-            if dtype not in _DTYPE_NAMES:
+            if dtype not in SAFETENSORS_DTYPES:
                 raise NotImplementedError(f"'{name}': dtype {dtype} cannot be saved as safetensors")
         self.directory = directory
         self.groups = _split(entries, max_shard_bytes)
@@ -270,7 +257,7 @@ def _header(entries: list) -> bytes:
         name, shape, dtype = entry
         end = offset + _nbytes(entry)
         header[name] = {
-            "dtype": _DTYPE_NAMES[dtype],
+            "dtype": SAFETENSORS_DTYPES[dtype],
             "shape": list(shape),
             "data_offsets": [offset, end],
         }
