@@ -4,6 +4,7 @@ Spawning costs a few seconds per rank (importing torch), so tests spawn a group 
 their cases inside it.
 """
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -103,3 +104,25 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
             if proc.is_alive():
                 proc.kill()
     return [results[r] for r in range(world_size)]
+
+
+def full_params(engine) -> dict:
+    """name -> a copy of every parameter's full value (a collective at stage 3: every rank)."""
+    import zero
+
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run a single-process reference on one thread, as each spawned rank runs (_child): a
+    multi-threaded CPU kernel may sum in another order and round differently."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import zero
-from tests.distributed import run_ranks
+from tests.distributed import full_params, run_ranks
+from tests.test_engine import Tiny
 from zero.launcher.world import find_free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,16 +61,6 @@ def test_deepspeed_style_script_under_zrun_at_every_stage(tmp_path):
 
 
 # ----- command-line flags and initialize(args=...) -------------------------------------------
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(5, 3)
-        self.b = torch.nn.Linear(3, 1)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))).pow(2).mean()
-
-
 def small_config(**overrides):
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
@@ -285,13 +276,8 @@ def reference_sgd_step(world, x, y, gas, lr=0.1):
     return model, float(norm)
 
 
-def params_of(engine):
-    with zero.GatheredParameters(list(engine.module.parameters())):
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-
-
 def max_diff(engine, model):
-    got = params_of(engine)
+    got = full_params(engine)
     return max((got[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
 
 
@@ -401,7 +387,7 @@ def engine_methods_on_ranks(tmp):
         if m == 7:
             # Partial checkpoint loads (DeepSpeed's flags) return to this point.
             engine.save_checkpoint(tmp, client_state={"note": "four steps"})
-            saved = params_of(engine)
+            saved = full_params(engine)
             saved_state = {
                 k: v.clone() for k, v in optimizer.optimizer.state_dict()["state"][0].items()
             }
@@ -413,7 +399,7 @@ def engine_methods_on_ranks(tmp):
     state_now = optimizer.optimizer.state_dict()["state"][0]
     out["module_only"] = {
         "client": client,
-        "weights_restored": all(torch.equal(saved[n], v) for n, v in params_of(engine).items()),
+        "weights_restored": all(torch.equal(saved[n], v) for n, v in full_params(engine).items()),
         "optimizer_kept": all(torch.equal(moved_state[k], state_now[k]) for k in moved_state),
         "steps_kept": engine.global_steps,
         "lr_kept": engine.get_lr()[0],
@@ -489,11 +475,6 @@ def sgd_engine(stage=1, gas=2, **extra):
     return engine, optimizer
 
 
-def weights(engine):
-    with zero.GatheredParameters(list(engine.module.parameters())):
-        return [p.detach().clone() for p in engine.module.parameters()]
-
-
 def test_boundary_none_returns_to_counting_and_other_values_are_refused():
     engine, _ = sgd_engine()
     engine.set_gradient_accumulation_boundary(True)
@@ -523,7 +504,7 @@ def test_optimizer_zero_grad_between_micro_batches_discards_nothing():
                 engine.step()
                 if habit:
                     optimizer.zero_grad()
-            results.append(weights(engine))
+            results.append(list(full_params(engine).values()))
     for got in results[1:]:
         assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(results[0], got))
 
@@ -538,7 +519,8 @@ def test_backward_scale_wrt_gas_and_step_lr_kwargs():
         for _ in range(2):
             engine.backward(engine(x) * loss_factor, scale_wrt_gas=scale_wrt_gas)
             engine.step()
-    assert all(torch.equal(a, b) for a, b in zip(weights(scaled), weights(unscaled)))
+    got, want = full_params(unscaled), full_params(scaled)
+    assert all(torch.equal(got[n], want[n]) for n in want)
 
     class Recorder:
         def __init__(self, optimizer):

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import one_thread, run_ranks
 from test_stages import Net, batches, config, param_groups
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,12 +44,8 @@ def reference(data, stage, gas, dtype):
     weights stepped by AdamW on the fp32 copy of the averaged sum. Returns (params, norms).
     One thread, as the spawned ranks: a multi-threaded CPU kernel (LayerNorm's weight gradient)
     sums in another order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _reference(data, stage, gas, dtype)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _reference(data, stage, gas, dtype):
@@ -174,10 +170,8 @@ def test_safe_get_full_grad_is_the_fp32_average(parity):
     data = batches(2, 1, same_modules=True)
     torch.manual_seed(0)
     model = Net().to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    grads = [_micro_grads(model, *data[0][0][r], 1.0)["proj.weight"] for r in range(2)]
-    torch.set_num_threads(threads)
+    with one_thread():
+        grads = [_micro_grads(model, *data[0][0][r], 1.0)["proj.weight"] for r in range(2)]
     want = (grads[0] + grads[1]).float() / 2  # one bf16 addition, averaged in fp32
     for _, stage, _, _, _, full_grad, _ in gas_one:
         assert torch.equal(full_grad, want), stage

@@ -25,7 +25,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import full_params, one_thread, run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -121,12 +121,8 @@ def reference(kind: str, world_size: int, freeze=None, checkpointing=None):
     rule), AdamW. One thread, as each rank runs (tests/distributed.py): a gradient that is
     mathematically zero (GPT-2's key bias) is rounding noise, which Adam scales up to the learning
     rate, and a matrix product on two threads may round differently."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _train_reference(kind, world_size, freeze, checkpointing)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train_reference(kind, world_size, freeze, checkpointing):
@@ -187,15 +183,6 @@ def train(model, cfg: dict, kind: str):
         engine.backward(engine(**step[engine.rank]).loss)
         engine.step()
     return engine
-
-
-def full_params(engine) -> dict:
-    """Every parameter's full value (a collective at stage 3)."""
-    import zero
-
-    params = list(engine.module.parameters())
-    with zero.GatheredParameters(params):
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def stage_sweep(cases) -> dict:

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_ranks
+from distributed import full_params, run_ranks
 
 VOCAB, DIM, HIDDEN, EXPERTS = 13, 8, 12, 4
 TOKENS = 6  # per rank per micro-batch
@@ -156,14 +156,6 @@ def moe_engine(top_k, cfg, data, mark_leaves=False):
             engine.backward(engine(x, y, mask))
             engine.step()
     return engine
-
-
-def full_params(engine) -> dict:
-    import zero
-
-    params = list(engine.module.parameters())
-    with zero.GatheredParameters(params):
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def moe_sweep(world_size):
