@@ -189,8 +189,12 @@ def build_optimizer(
             dicts with per-group overrides. In the engine these are the rank's owned fp32
             master shards. Not a collective.
 
-    Returns a torch.optim.Optimizer built with torch's default implementation choice
-    (foreach=None, fused not forced).
+    Returns a torch.optim.Optimizer. Where torch has a fused kernel for the class and the
+    parameters' device (Adam, AdamW, SGD, Adagrad on CPU and CUDA) and optimizer.params names
+    neither "fused" nor "foreach", it is built with fused=True: zero steps a few large flat shards,
+    where the per-tensor loop (torch's CPU default) makes ~10 passes through memory per element
+    and the fused kernel one (15x faster on a 5M-element CPU shard; results within 1 ulp of the
+    loop's).
 
     Raises:
         ValueError: unknown type or parameter, wrong value type, or a value torch rejects; the
@@ -199,6 +203,11 @@ def build_optimizer(
             the engine cannot drive (LBFGS, SparseAdam).
     """
     cls, kwargs = resolve_optimizer(type_name, params)
+    if _takes_fused(cls, kwargs):
+        try:
+            return cls(param_groups, fused=True, **kwargs)
+        except (RuntimeError, TypeError, ValueError):
+            pass  # no fused kernel for these tensors (or a bad value: reported below)
     try:
         return cls(param_groups, **kwargs)
     except (TypeError, ValueError) as err:
@@ -208,6 +217,13 @@ def build_optimizer(
             f"torch.optim.{cls.__name__} rejected {where} (optimizer.type '{type_name}', "
             f"params {kwargs}): {err}"
         ) from err
+
+
+def _takes_fused(cls: type, kwargs: dict) -> bool:
+    """Whether to ask `cls` for its fused implementation: it has one, and the config chose no
+    implementation itself ("fused" / "foreach") nor asked for a differentiable step."""
+    chosen = "fused" in kwargs or "foreach" in kwargs or kwargs.get("differentiable", False)
+    return "fused" in inspect.signature(cls.__init__).parameters and not chosen
 
 
 def _guess_key(message: str, names: Iterable[str]) -> str | None:
