@@ -168,3 +168,23 @@ def test_nvme_offload_is_refused_naming_the_key(tmp_path):
             assert f"zero_optimization.{key}.device 'nvme'" in str(error)
         else:
             raise AssertionError(f"{key} nvme was accepted")
+
+
+def test_offload_builds_the_host_adam_over_a_model_not_in_fp32_on_the_host():
+    """The config's Adam becomes CPUAdam over the model's parameters as they are: bf16 here, on
+    the GPU after model.cuda() in a GPU job. It steps fp32 host master shards only, so building
+    it must not require fp32 host parameters (it raised TypeError at initialize)."""
+    torch.manual_seed(0)
+    model = Tiny().bfloat16()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    engine, optimizer, _, _ = zero.initialize(model=model, config=cfg)
+    assert type(optimizer.optimizer).__name__ == "CPUAdam"
+    before = engine.module.a.weight.detach().clone()
+    engine.backward(engine(torch.randn(2, 4, dtype=torch.bfloat16)))
+    engine.step()
+    assert not torch.equal(before, engine.module.a.weight)
