@@ -188,3 +188,21 @@ def test_offload_builds_the_host_adam_over_a_model_not_in_fp32_on_the_host():
     engine.backward(engine(torch.randn(2, 4, dtype=torch.bfloat16)))
     engine.step()
     assert not torch.equal(before, engine.module.a.weight)
+
+
+def test_gradient_staging_is_on_the_gradients_device_when_parameters_are_offloaded():
+    """Stage 3 with offload_param keeps the parameter shard on the host while gradients stay on
+    the device; the buffer a bucket's gradients are copied into for the reduce-scatter must be on
+    the gradients' device (on a host buffer NCCL's reduce-scatter fails). The meta device stands
+    in for the GPU here."""
+    from zero.flat import FlatLayout
+    from zero.stages import Bucket
+
+    params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))]
+    layout = FlatLayout([[("a", params[0]), ("b", params[1])]], 100, 2).buckets[0]
+    buffer = torch.empty(layout.padded_numel, device="meta")
+    bucket = Bucket(layout, params, buffer, shard=0, stage=3)
+    bucket.param_shard = torch.zeros(layout.shard_numel)  # offloaded: on the host
+    bucket.grad_shard = torch.zeros(layout.shard_numel, device="meta")
+    assert bucket.fill_target(torch.float32).device.type == "meta"
+    assert bucket.complete_staging(torch.float32).device.type == "meta"
