@@ -75,6 +75,14 @@ class CommLedger:
         self.waited = {}
 
 
+def wait_blocks_host(backend: str, on_cuda: bool) -> bool:
+    """Whether waiting for a collective blocks the calling thread until every peer joined it.
+    Only NCCL on CUDA tensors waits without blocking (the current stream waits instead); gloo
+    blocks, on CUDA tensors too (it stages them through host memory on its worker threads), as
+    when two ranks share one GPU over gloo."""
+    return not (on_cuda and backend == "nccl")
+
+
 class Handle:
     """The pair of an asynchronous collective: `wait()` finishes it (idempotent)."""
 
@@ -121,6 +129,7 @@ class Communicator:
         self.verbose = False  # log every collective as it is issued
         self.agreement: Agreement | None = None  # set by start_agreement()
         self._siblings: list[Communicator] = []
+        self._backend: str | None = None
 
     def sibling(self, purpose: str, timeout_s: float | None = None) -> "Communicator":
         """A Communicator over the same ranks on a process group of its own (same backend),
@@ -158,6 +167,18 @@ class Communicator:
         for other in self._siblings:
             other.timing, other.verbose = self.timing, verbose
 
+    @property
+    def backend(self) -> str:
+        """The backend of this group's collectives ("nccl", "gloo"); "" without a group."""
+        if self._backend is None:
+            if isinstance(self.group, OwnGroup):
+                self._backend = self.group.backend_name
+            elif self.world_size > 1:
+                self._backend = str(dist.get_backend(self.group))
+            else:
+                self._backend = ""
+        return self._backend
+
     def _record(self, op: str, elements: int, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
             self.ledger.record(op, elements, tensor.element_size())
@@ -169,7 +190,7 @@ class Communicator:
     def _run(self, op: str, tensor: torch.Tensor, launch, async_op: bool) -> Handle:
         """Launch a collective (launch() returns torch's work or None) and time it if asked."""
         if self.timing is None:
-            return Handle(launch(), blocks_host=not tensor.is_cuda)
+            return Handle(launch(), blocks_host=wait_blocks_host(self.backend, tensor.is_cuda))
         timed = not self.timing or op in self.timing
         start = time.perf_counter()
         work = launch()
@@ -545,6 +566,7 @@ class OwnGroup:
         self.agreements = 0  # Agreements (engines) created over this group
         rank, size = ranks.index(dist.get_rank()), len(ranks)
         backend = backend or dist.get_backend()
+        self.backend_name = str(backend)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = False

@@ -168,8 +168,9 @@ class Bucket:
         if self.stage < 2:
             return self.accum
         if self.staging is None:
+            # On the gradients' device: with offload_param the parameter shard is on the host.
             self.staging = torch.empty(
-                self.layout.padded_numel, dtype=dtype, device=self.param_shard.device
+                self.layout.padded_numel, dtype=dtype, device=self.grad_shard.device
             )
         return self.staging
 

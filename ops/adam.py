@@ -72,8 +72,11 @@ class CPUAdam(torch.optim.Optimizer):
             the pure-PyTorch reference; None (default): the op, else the reference after one
             warning.
 
-    Raises TypeError for a parameter that is not a contiguous fp32 CPU tensor, ValueError for
-    out-of-range hyper-parameters.
+    Raises ValueError for out-of-range hyper-parameters; TypeError, at the step, for a parameter
+    with a gradient that is not a contiguous fp32 CPU tensor. Any parameters are accepted at
+    construction (as DeepSpeedCPUAdam): zero.initialize builds the optimizer over the model's
+    parameters (bf16, or on the GPU after model.cuda()) and then steps it on fp32 host master
+    shards only.
     """
 
     _device_type = "cpu"
@@ -100,9 +103,6 @@ class CPUAdam(torch.optim.Optimizer):
             bias_correction=bias_correction,
         )
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for param in group["params"]:
-                _check_param(param, self._device_type)
         self._select(use_op)
 
     def _select(self, use_op: bool | None) -> None:
@@ -144,6 +144,7 @@ class CPUAdam(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
+                _check_param(param, self._device_type)
                 out = low_precision_outputs.get(param)
                 if out is not None:
                     _check_low_precision_out(param, out)

@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import warnings
@@ -118,6 +119,20 @@ def find_nvcc() -> str | None:
     if cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
         return os.path.join(cuda_home, "bin", "nvcc")
     return shutil.which("nvcc")
+
+
+def cuda_arch_list() -> str:
+    """The GPU architectures a CUDA op is compiled for, as torch.utils.cpp_extension picks them:
+    $TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0+PTX"), else the visible devices' compute capabilities
+    ("9.0"); "" when neither is known."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"].strip()
+    import torch
+
+    if not torch.cuda.is_available():
+        return ""
+    capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    return ";".join(f"{major}.{minor}" for major, minor in sorted(capabilities))
 
 
 class OpBuilder:
@@ -343,9 +358,15 @@ class FusedAdamBuilder(OpBuilder):
     has_fallback = False
 
     def variant(self) -> str:
+        """CUDA version and target architectures: a build for one GPU generation has no kernel
+        for another ("no kernel image is available"), so a cache shared by machines with
+        different GPUs keeps one build per architecture list."""
         import torch
 
-        return f"cuda{torch.version.cuda}" if torch.version.cuda else "nocuda"
+        if not torch.version.cuda:
+            return "nocuda"
+        arch = re.sub(r"[^0-9A-Za-z]+", "_", cuda_arch_list()).strip("_") or "none"
+        return f"cuda{torch.version.cuda}-sm{arch}"
 
     def is_compatible(self) -> tuple[bool, str]:
         import torch

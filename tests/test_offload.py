@@ -168,3 +168,41 @@ def test_nvme_offload_is_refused_naming_the_key(tmp_path):
             assert f"zero_optimization.{key}.device 'nvme'" in str(error)
         else:
             raise AssertionError(f"{key} nvme was accepted")
+
+
+def test_offload_builds_the_host_adam_over_a_model_not_in_fp32_on_the_host():
+    """The config's Adam becomes CPUAdam over the model's parameters as they are: bf16 here, on
+    the GPU after model.cuda() in a GPU job. It steps fp32 host master shards only, so building
+    it must not require fp32 host parameters (it raised TypeError at initialize)."""
+    torch.manual_seed(0)
+    model = Tiny().bfloat16()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    engine, optimizer, _, _ = zero.initialize(model=model, config=cfg)
+    assert type(optimizer.optimizer).__name__ == "CPUAdam"
+    before = engine.module.a.weight.detach().clone()
+    engine.backward(engine(torch.randn(2, 4, dtype=torch.bfloat16)))
+    engine.step()
+    assert not torch.equal(before, engine.module.a.weight)
+
+
+def test_gradient_staging_is_on_the_gradients_device_when_parameters_are_offloaded():
+    """Stage 3 with offload_param keeps the parameter shard on the host while gradients stay on
+    the device; the buffer a bucket's gradients are copied into for the reduce-scatter must be on
+    the gradients' device (on a host buffer NCCL's reduce-scatter fails). The meta device stands
+    in for the GPU here."""
+    from zero.flat import FlatLayout
+    from zero.stages import Bucket
+
+    params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))]
+    layout = FlatLayout([[("a", params[0]), ("b", params[1])]], 100, 2).buckets[0]
+    buffer = torch.empty(layout.padded_numel, device="meta")
+    bucket = Bucket(layout, params, buffer, shard=0, stage=3)
+    bucket.param_shard = torch.zeros(layout.shard_numel)  # offloaded: on the host
+    bucket.grad_shard = torch.zeros(layout.shard_numel, device="meta")
+    assert bucket.fill_target(torch.float32).device.type == "meta"
+    assert bucket.complete_staging(torch.float32).device.type == "meta"

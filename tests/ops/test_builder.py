@@ -121,3 +121,16 @@ def test_zero_report(capsys):
     out = capsys.readouterr().out
     for needle in ("cpu_adam:", "fused_adam:", "state:", "cache:", "torch:", "simd level:"):
         assert needle in out
+
+
+def test_fused_adam_cache_is_keyed_by_the_gpu_architectures(monkeypatch):
+    # A build for sm_90 (H200) has no kernel for sm_80: a cache shared by machines with other
+    # GPUs must not hand it over. Needs no CUDA: the key is computed from the arch list.
+    builder = get_builder("fused_adam")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    hopper = builder.build_key()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;8.6+PTX")
+    ampere = builder.build_key()
+    assert hopper.endswith("-cuda12.8-sm9_0") and ampere.endswith("-cuda12.8-sm8_0_8_6_PTX")
+    assert hopper != ampere

@@ -187,8 +187,12 @@ def test_traffic_only_step(cpu_adam_op):
 
 
 def test_rejects_bad_inputs(cpu_adam_op):
+    # Any parameter is accepted at construction (zero.initialize builds the optimizer over the
+    # model's bf16 or CUDA parameters, then steps fp32 host shards); stepping one is an error.
+    low = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    low.grad = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="float32"):
-        CPUAdam([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))])
+        CPUAdam([low]).step()
     with pytest.raises(ValueError, match="betas"):
         CPUAdam([torch.nn.Parameter(torch.zeros(4))], betas=(0.9, 1.5))
     param = torch.nn.Parameter(torch.zeros(4))
