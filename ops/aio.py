@@ -38,10 +38,11 @@ import mmap
 import os
 import tempfile
 import threading
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from .builder import get_builder
 
 ALIGNMENT = 4096
 BACKENDS = ("io_uring", "aio", "threads", "python")
@@ -452,20 +453,62 @@ def _reserve(fd: int, nbytes: int) -> None:
                 raise
 
 
-_warned_fallback = False
+class _OpBackend:
+    """The compiled op: `threads` C++ workers on io_uring, kernel AIO or pread / pwrite."""
+
+    def __init__(self, module, name: str, block_size: int, queue_depth: int, threads: int):
+        try:
+            self._engine = module.Engine(block_size, queue_depth, threads, name)
+        except RuntimeError as error:  # io_uring_setup / io_setup refused (a sandbox, a limit)
+            raise NotImplementedError(
+                f"AsyncFileIO backend {name!r} is not available here: {error}"
+            ) from error
+        self.name = name
+        self.submit = self._engine.submit
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+def _load_op(required: bool):
+    builder = get_builder("aio")
+    return builder.load() if required else builder.load_or_fallback()
+
+
+def _best_op_backend(module, direct: bool | None) -> str:
+    if module.io_uring_works():
+        return "io_uring"
+    # Kernel AIO runs only O_DIRECT transfers asynchronously; buffered ones block io_submit.
+    if direct is not False and module.kernel_aio_works():
+        return "aio"
+    return "threads"
+
+
+def available_backends(direct: bool | None = None) -> list[str]:
+    """The backends that work in this process, best first ("python" always works).
+
+    Loads (building on first use) the op aio; without it only ["python"], after one warning.
+    """
+    module = _load_op(required=False)
+    if module is None:
+        return ["python"]
+    names = ["io_uring"] if module.io_uring_works() else []
+    if module.kernel_aio_works():
+        names.append("aio")
+    return names + ["threads", "python"]
+
+
+def best_backend(direct: bool | None = None) -> str:
+    """The backend AsyncFileIO(backend=None, direct=direct) uses here."""
+    module = _load_op(required=False)
+    return "python" if module is None else _best_op_backend(module, direct)
 
 
 def _make_backend(backend, direct, block_size, queue_depth, threads):
     if backend == "python":
         return _PythonBackend(block_size, queue_depth, threads)
-    global _warned_fallback
-    if backend is None:
-        if not _warned_fallback:
-            _warned_fallback = True
-            warnings.warn(
-                "op aio is not built yet; using the pure-Python backend (slower)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    module = _load_op(required=backend is not None)
+    if module is None:
         return _PythonBackend(block_size, queue_depth, threads)
-    raise NotImplementedError(f"AsyncFileIO backend {backend!r} is not available here")
+    name = backend or _best_op_backend(module, direct)
+    return _OpBackend(module, name, block_size, queue_depth, threads)
