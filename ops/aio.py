@@ -32,6 +32,7 @@ allocates tensors whose data and padded size are aligned, so their transfers nee
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -375,6 +376,7 @@ class AsyncFileIO:
         self._backend = _make_backend(backend, direct, self.block_size, queue_depth, threads)
         self.backend: str = self._backend.name
         self._files: list[AsyncFile] = []
+        self._closed = False
 
     def direct_for(self, directory: str | os.PathLike) -> bool:
         """Whether O_DIRECT works in `directory` (see `direct_io_supported`)."""
@@ -390,6 +392,8 @@ class AsyncFileIO:
         Space is reserved with fallocate where the filesystem supports it (so a full disk fails
         here, OSError ENOSPC, rather than mid-training), else the file is only truncated to size.
         """
+        if self._closed:
+            raise ValueError("AsyncFileIO.open after close()")
         path = os.fspath(path)
         use_direct = self.direct
         if use_direct is None:
@@ -422,7 +426,13 @@ class AsyncFileIO:
             raise first
 
     def close(self) -> None:
-        """Wait for all requests, close every open file (keeping it on disk) and the backend."""
+        """Wait for all requests, close every open file (keeping it on disk) and the backend.
+
+        Raises the first OSError no `Request.wait()` has raised, after closing everything.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait_all()
         finally:
@@ -433,6 +443,14 @@ class AsyncFileIO:
     def _forget(self, file: AsyncFile) -> None:
         if file in self._files:
             self._files.remove(file)
+
+    def __del__(self) -> None:
+        # Requests in flight write into tensors their Request objects keep alive; when the
+        # object graph is dropped at once, finalizers run before any of it is cleared (PEP 442),
+        # so waiting here keeps the workers from touching freed memory.
+        # Errors nobody waited for have no one to go to here.
+        with contextlib.suppress(Exception):
+            self.close()
 
     def __enter__(self) -> AsyncFileIO:
         return self
@@ -484,7 +502,7 @@ def _best_op_backend(module, direct: bool | None) -> str:
     return "threads"
 
 
-def available_backends(direct: bool | None = None) -> list[str]:
+def available_backends() -> list[str]:
     """The backends that work in this process, best first ("python" always works).
 
     Loads (building on first use) the op aio; without it only ["python"], after one warning.

@@ -308,3 +308,22 @@ def test_falls_back_to_python_with_one_warning(monkeypatch, tmp_path):
     io.close()
     with pytest.raises(OpBuildError):
         AsyncFileIO(backend="threads")
+
+
+def test_backend_choice_where_the_kernel_refuses():
+    class Module:
+        uring, kernel_aio = True, True
+
+        def io_uring_works(self):
+            return self.uring
+
+        def kernel_aio_works(self):
+            return self.kernel_aio
+
+    module = Module()
+    assert aio._best_op_backend(module, None) == "io_uring"
+    module.uring = False  # a sandbox forbidding io_uring_setup
+    assert aio._best_op_backend(module, None) == "aio"
+    assert aio._best_op_backend(module, False) == "threads"  # AIO blocks without O_DIRECT
+    module.kernel_aio = False
+    assert aio._best_op_backend(module, True) == "threads"
