@@ -204,9 +204,7 @@ def test_bad_nvme_path_is_an_error_naming_the_key(tmp_path, monkeypatch):
     import shutil
 
     real = shutil.disk_usage
-    monkeypatch.setattr(
-        "zero.nvme.shutil.disk_usage", lambda p: real(p)._replace(free=1 << 20)
-    )
+    monkeypatch.setattr("zero.nvme.shutil.disk_usage", lambda p: real(p)._replace(free=1 << 20))
     _refused(config(3, 1, {"device": "nvme", "nvme_path": str(tmp_path)}), f"{key}.*GiB free")
     assert swap_dirs(tmp_path) == []
 
@@ -252,3 +250,23 @@ def test_kill_during_step_leaves_the_last_checkpoint_loadable(tmp_path):
         for a, b in zip(expected[-1], got[-1]):
             assert torch.allclose(a, b, rtol=0, atol=1e-6), offload
     assert swap_dirs(swap) == []
+
+
+# ----- zero-estimate --------------------------------------------------------------------------
+def test_estimator_recommends_nvme_with_a_ratio_when_nothing_else_fits(tmp_path, capsys):
+    from zero import estimator
+
+    out = tmp_path / "recommended.json"
+    argv = ["--params", "4e9", "--devices-per-node", "1", "--device-memory", "80G"]
+    argv += ["--host-memory", "32G", "--reduce-bucket-size", "1e8", "--write-config", str(out)]
+    assert estimator.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "recommended: stage 1 with optimizer offload to nvme, ratio 0.5" in printed
+    block = json.loads(out.read_text())["zero_optimization"]["offload_optimizer"]
+    assert block["device"] == "nvme" and block["ratio"] == 0.5 and block["nvme_path"]
+    cluster = estimator.Cluster(devices_per_node=1, device_memory=80 * 2**30)
+    rows = estimator.estimate(4 * 10**9, cluster, estimator.Options(bucket_numel=10**8))
+    full = next(r for r in rows if r.stage == 3 and r.device == "none")
+    half = next(r for r in rows if r.stage == 3 and r.device == "nvme")
+    # Half of the fp32 master + Adam moments (12 bytes per element) left the device for files.
+    assert full.model_states - half.model_states == half.per_nvme == 6 * 4 * 10**9
