@@ -120,7 +120,8 @@ def sweep(root):
             tag = f"s{stage}-{before}-{after}".replace(" ", "_")
             got = resume_case(root, stage, offloads[before], offloads[after], tag)
             out[(stage, f"{before} -> {after}")] = (plain, got)
-    out["left"] = swap_dirs(nvme["nvme_path"])
+    rank = os.environ["RANK"]  # the other rank may still be closing its last engine
+    out["left"] = [d for d in swap_dirs(nvme["nvme_path"]) if d.endswith(f"rank{rank}")]
     return out
 
 
