@@ -462,11 +462,18 @@ def _write_rank_file(engine, directory: str) -> tuple[int, str]:
             bar = progress(ranges, f"save group {group}", rank=engine.global_rank, unit="bucket")
             for index, (lo, hi, bucket) in enumerate(bar):
                 # The owned, unpadded part of a bucket is the head of its shard (padding is at
-                # the end); a prefix view is written without a copy.
-                tensors[f"group{group}.master.{index}"] = bucket.master[: hi - lo].float().cpu()
-                for kind in kinds:
-                    value = state[bucket.master][kind][: hi - lo]
-                    tensors[f"group{group}.{kind}.{index}"] = value.float().cpu()
+                # the end); a prefix view is written without a copy, except of nvme state
+                # (engine/nvme.py), whose host buffer is reused for the next bucket.
+                offloader = engine.optimizer.offloader
+                swapped = offloader is not None and offloader.swapped(bucket)
+                with engine.optimizer.resident(bucket):
+                    values = {"master": bucket.master[: hi - lo]}
+                    values.update({kind: state[bucket.master][kind][: hi - lo] for kind in kinds})
+                    for kind, value in values.items():
+                        value = value.float().cpu()
+                        tensors[f"group{group}.{kind}.{index}"] = (
+                            value.clone() if swapped else value
+                        )
     return _write_shard(tensors, os.path.join(directory, rank_file(engine.comm.rank)))
 
 
@@ -1151,15 +1158,16 @@ def _as_tuple(value):
 def _read_shards(engine, meta, reader, owned, kinds, load_optimizer: bool) -> None:
     state = engine.optimizer.optimizer.state
     for group, lo, hi, bucket in progress(owned, "load", rank=engine.global_rank, unit="range"):
-        for kind in kinds:
-            if kind == "master":
-                target = bucket.master
-            else:
-                per_param = state.setdefault(bucket.master, {})
-                if kind not in per_param:
-                    per_param[kind] = torch.zeros_like(bucket.master)
-                target = per_param[kind]
-            _read_to_device(reader, group, kind, lo, target[: hi - lo])
+        with engine.optimizer.resident(bucket, write=True):  # nvme: read, change, write back
+            for kind in kinds:
+                if kind == "master":
+                    target = bucket.master
+                else:
+                    per_param = state.setdefault(bucket.master, {})
+                    if kind not in per_param:
+                        per_param[kind] = torch.zeros_like(bucket.master)
+                    target = per_param[kind]
+                _read_to_device(reader, group, kind, lo, target[: hi - lo])
         if load_optimizer:
             for key, item in meta["scalar_state"].get(str(group), {}).items():
                 value = item["value"]

@@ -469,11 +469,6 @@ class ZeroConfig(_Block):
                 f"zero_optimization.offload_optimizer.device '{opt.device}' needs "
                 "zero_optimization.stage 1, 2 or 3 (got 0)."
             )
-        if opt is not None and opt.device == "nvme" and self.stage != 3:
-            raise _cross(
-                "zero_optimization.offload_optimizer.device 'nvme' needs zero_optimization.stage 3 "
-                f"(got {self.stage}); use device 'cpu' for stages 1-2."
-            )
         for name, block in (("offload_optimizer", opt), ("offload_param", par)):
             if block is not None and block.device == "nvme" and not block.nvme_path:
                 raise _cross(

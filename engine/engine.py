@@ -23,7 +23,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import gathered
+from . import gathered, nvme
 from .accelerator import Accelerator
 from .comm import Communicator, Intent
 from .flat import FlatLayout
@@ -56,7 +56,7 @@ logger = logging.getLogger("zero")
 
 def check_implemented(config) -> None:
     """Raise NotImplementedError, naming the key, for valid config values zero does not run."""
-    for key in ("offload_param", "offload_optimizer"):
+    for key in ("offload_param",):
         block = getattr(config.zero, key)
         if block is not None and block.device == "nvme":
             raise NotImplementedError(
@@ -107,6 +107,13 @@ class Engine(torch.nn.Module):
         _check_one_source(config, optimizer, lr_scheduler)
         optimizer = optimizer or self._config_optimizer(model_parameters)
         named_groups = self._named_groups(optimizer, client_optimizer)
+        nvme.check_before_allocating(
+            config,
+            optimizer,
+            sum(full_numel(p) for named in named_groups for _, p in named),
+            self._num_shards(),
+            comm.rank,
+        )
         # Before the first collective: every rank built the same model with the same config.
         agreement = comm.start_agreement(config.agreement_timeout)
         if agreement is not None:
@@ -136,7 +143,12 @@ class Engine(torch.nn.Module):
         self.optimizer = ZeroOptimizer(
             named_groups,
             optimizer,
-            FlatLayout(named_groups, config.zero.reduce_bucket_size, self._num_shards(), unit_of),
+            FlatLayout(
+                named_groups,
+                nvme.sub_group_bucket_numel(config, self._num_shards()),
+                self._num_shards(),
+                unit_of,
+            ),
             self._reduce_settings(mpu),
             comm,
             self.scaler,
@@ -247,6 +259,7 @@ class Engine(torch.nn.Module):
     def _reduce_settings(self, mpu) -> ReduceSettings:
         comm_dtype = self.config.communication_data_type
         dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        split = nvme.OptimizerOffload.from_config(self.config)  # nvme, or ratio < 1
         return ReduceSettings(
             stage=self.config.zero.stage,
             reduce_dtype=dtypes[comm_dtype] if comm_dtype else self.config.compute_dtype,
@@ -254,8 +267,9 @@ class Engine(torch.nn.Module):
             clip=self.config.gradient_clipping,
             overflow_check=self.config.fp16.enabled,
             model_parallel=self._model_parallel_norm(mpu),
-            offload=self._offload_optimizer is not None,
+            offload=self._offload_optimizer is not None and split is None,
             pin_memory=bool(self._offload_optimizer and self._offload_optimizer.pin_memory),
+            split=split,
             offload_param=self._offload_param is not None,
             pin_param=bool(self._offload_param and self._offload_param.pin_memory),
             accum_dtype=self.config.grad_accum_dtype,
@@ -281,7 +295,8 @@ class Engine(torch.nn.Module):
         if params is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
         spec = self.config.optimizer
-        if self._offload_optimizer is not None:
+        offload = self.config.zero.offload_optimizer
+        if offload is not None and offload.device != "none":  # cpu or nvme: the host Adam
             cls, kwargs = resolve_optimizer(spec.type, spec.params)
             if cls in (torch.optim.Adam, torch.optim.AdamW):
                 return _cpu_adam(params, cls, kwargs)
@@ -685,6 +700,12 @@ class Engine(torch.nn.Module):
             load_lr_scheduler_states,
             load_module_only,
         )
+
+    def close(self) -> None:
+        """Remove what this engine keeps outside the process (nvme offload's swap files under
+        nvme_path). Idempotent; the engine cannot step afterwards. Garbage collection of the
+        engine and interpreter exit do the same. Not a collective."""
+        self.optimizer.close()
 
     # ----- DeepSpeed-compatible queries ---------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

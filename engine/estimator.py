@@ -122,6 +122,11 @@ class Estimate:
     comm_psi: float
     fits: bool
     peak: Peak | None = None
+    # Where offloaded optimizer state goes ("none", "cpu", "nvme"), the fraction offloaded
+    # [offload_optimizer.ratio], and the bytes the node writes under nvme_path.
+    device: str = "none"
+    ratio: float = 1.0
+    per_nvme: int = 0
 
 
 def parse_size(text: str) -> int:
@@ -204,16 +209,35 @@ def estimate_stage(
     options: Options,
     activations: Activations | None = None,
     retention: int = 0,
+    device: str | None = None,
+    ratio: float = 1.0,
 ) -> Estimate:
     """Bytes per device and per host for one stage of `layout` (see Estimate); `retention`: the
-    allocator's resident excess (footprint [Note: CPU ranks])."""
+    allocator's resident excess (footprint [Note: CPU ranks]). device: where offloaded state
+    goes, "cpu" (default with `offload`) or "nvme"; ratio: the fraction of it offloaded, the
+    rest stays on the device (engine/nvme.py [Note: placement])."""
     num_shards = 1 if stage == 0 else cluster.world_size
     compute = DTYPE_BYTES[options.dtype]
     accum = DTYPE_BYTES[options.grad_accum_dtype]
+    device = device or ("cpu" if offload else "none")
     spec = ModelStateSpec(stage, layout.padded_numel, num_shards, compute, 8, offload, accum)
     parts = model_state_formula(spec)
     host_per_rank = offloaded_bytes(parts) if offload else 0
     states = sum(v or 0 for v in parts.values()) - host_per_rank
+    nvme_per_rank = 0
+    if offload and (device == "nvme" or ratio < 1):
+        kept = replace(spec, offload=False)
+        on_device = model_state_formula(kept)
+        states += round((1 - ratio) * (on_device["master"] + on_device["optimizer_state"]))
+        moved = parts["master"] + parts["optimizer_state"]
+        if device == "nvme":
+            # Files hold master + moments; host memory holds the buffer sets of the step
+            # (4 sets x master, 2 moments and a gradient copy, one sub-group = bucket shard).
+            nvme_per_rank = round(ratio * moved)
+            sub_group = (layout.bucket_numels[0] if layout.bucket_numels else 0) // num_shards
+            host_per_rank = 4 * 4 * 4 * sub_group
+        else:
+            host_per_rank = round(ratio * host_per_rank)
     settings = BufferSettings(
         stage,
         num_shards,
@@ -237,7 +261,37 @@ def estimate_stage(
     comm = comm_psi(stage, options.gradient_accumulation_steps, persistent)
     buffers = sum(peak.buffers.values())
     acts = activations.peak if activations else 0
-    return Estimate(stage, offload, states, buffers, acts, peak.total, per_host, comm, fits, peak)
+    return Estimate(
+        stage,
+        offload,
+        states,
+        buffers,
+        acts,
+        peak.total,
+        per_host,
+        comm,
+        fits,
+        peak,
+        device,
+        ratio,
+        nvme_per_rank * cluster.devices_per_node,
+    )
+
+
+RATIOS = tuple(i / 10 for i in range(1, 11))
+
+
+def partial_offload(layout, stage, device, cluster, options, activations, retention) -> Estimate:
+    """The row offloading to `device` the smallest fraction (offload_optimizer.ratio, in steps
+    of 0.1) that fits: the device is filled first; ratio 1 when none fits."""
+    row = None
+    for ratio in RATIOS:
+        row = estimate_stage(
+            layout, stage, True, cluster, options, activations, retention, device, ratio
+        )
+        if row.fits:
+            return row
+    return row
 
 
 def estimate(
@@ -247,10 +301,11 @@ def estimate(
     model=None,
     shape: TransformerShape | None = None,
 ) -> list[Estimate]:
-    """Every stage 0-3 without offload, stages 1-2 with optimizer offload (stage 3's optimizer
-    and parameter offload are not estimated). `model` (optional, may live on the meta device)
-    gives the exact layout; `shape` adds the activations of one micro-batch (without it,
-    per_device counts no activations)."""
+    """Every stage 0-3 without offload, stages 1-2 with optimizer offload to the cpu, and stages
+    1-3 with optimizer offload to nvme, offloading the smallest fraction that fits
+    (offload_optimizer.ratio; parameter offload is not estimated). `model` (optional, may live
+    on the meta device) gives the exact layout; `shape` adds the activations of one
+    micro-batch (without it, per_device counts no activations)."""
     activations, retention = None, 0
     if shape is not None:
         compute = DTYPE_BYTES[options.dtype]
@@ -269,14 +324,19 @@ def estimate(
             rows.append(
                 estimate_stage(layout, stage, offload, cluster, options, activations, retention)
             )
+        if stage > 0:
+            rows.append(
+                partial_offload(layout, stage, "nvme", cluster, options, activations, retention)
+            )
     return rows
 
 
 def recommend(rows: list[Estimate]) -> Estimate | None:
-    """The lowest stage that fits, preferring no offload (offload trades step time)."""
-    for offload in (False, True):
+    """The lowest stage that fits, preferring no offload, then cpu offload, then nvme (each
+    trades more step time)."""
+    for device in ("none", "cpu", "nvme"):
         for row in rows:
-            if row.fits and row.offload == offload:
+            if row.fits and row.device == device:
                 return row
     return None
 
@@ -293,7 +353,11 @@ def recommended_config(row: Estimate, options: Options, micro_batch: int = 1) ->
         zero_block["stage3_prefetch_bucket_size"] = options.prefetch_numel
         zero_block["stage3_param_persistence_threshold"] = options.persistence_threshold
     if row.offload:
-        zero_block["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero_block["offload_optimizer"] = {"device": row.device, "pin_memory": True}
+        if row.device == "nvme":
+            zero_block["offload_optimizer"]["nvme_path"] = "/local_nvme"
+        if row.ratio < 1:
+            zero_block["offload_optimizer"]["ratio"] = row.ratio
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": options.gradient_accumulation_steps,
@@ -352,12 +416,17 @@ def format_table(
     )
     for row in rows:
         lines.append(
-            f"{row.stage:<7}{'cpu' if row.offload else 'none':<9}"
+            f"{row.stage:<7}{_offload_name(row):<9}"
             f"{row.model_states / gib:>11.3f}{row.buffers / gib:>12.3f}"
             f"{row.per_device / gib:>10.3f}{row.per_host / gib:>10.3f}"
             f"{row.comm_psi:>8.2f} Psi  {'yes' if row.fits else 'no'}"
+            + (f"  (nvme {row.per_nvme / gib:.3f} GiB per node)" if row.per_nvme else "")
         )
     return "\n".join(lines)
+
+
+def _offload_name(row: Estimate) -> str:
+    return row.device + (f" {row.ratio:g}" if row.ratio < 1 else "")
 
 
 # The paper's Table 1 (section 5.4): model sizes (Psi) and data-parallel degrees (N).
@@ -543,7 +612,7 @@ def main(argv=None) -> int:
     offer = two_byte_offer(rows, psi, cluster, options, model=model, shape=shape)
     if offer is not None:
         two, alt = offer
-        how = "with optimizer offload" if alt.offload else "without offload"
+        how = _how(alt)
         print(
             f"with 2-byte gradients (data_types.grad_accum_dtype {two.grad_accum_dtype}, "
             f"--grad-accum-dtype {two.grad_accum_dtype}): stage {alt.stage} {how} fits, "
@@ -552,8 +621,7 @@ def main(argv=None) -> int:
     if best is None:
         print("no stage fits: add devices or nodes, or use a smaller model or micro-batch")
         return 1
-    offload = "with optimizer offload" if best.offload else "without offload"
-    print(f"recommended: stage {best.stage} {offload}")
+    print(f"recommended: stage {best.stage} {_how(best)}")
     if args.write_config:
         with open(args.write_config, "w") as f:
             micro_batch = shape.micro_batch if shape is not None else 1
@@ -561,6 +629,15 @@ def main(argv=None) -> int:
             f.write("\n")
         print(f"wrote {args.write_config}")
     return 0
+
+
+def _how(row: Estimate) -> str:
+    if not row.offload:
+        return "without offload"
+    part = f", ratio {row.ratio:g}" if row.ratio < 1 else ""
+    if row.device == "nvme":
+        return f"with optimizer offload to nvme{part}"
+    return f"with optimizer offload{part}"
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ global norm, overflow check, unscaling and clipping run on it and the optimizer 
 fp32 master weights' gradient; it is freed when the step ends. No full-size fp32 gradient exists.
 """
 
+import contextlib
 import enum
 import math
 from collections import deque
@@ -123,6 +124,9 @@ class ReduceSettings:
     offload_param: bool = False
     pin_param: bool = False
     accum_dtype: torch.dtype = torch.float32
+    # nvme offload or a partial one (ratio < 1): a zero.nvme.OptimizerOffload, and `offload`
+    # is False (engine/nvme.py places each bucket and runs the step).
+    split: object | None = None
 
 
 class Bucket:
@@ -227,6 +231,11 @@ class ZeroOptimizer:
         self._next_launch = 0
         self._in_flight: deque[Bucket] = deque()
         self._names: dict[int, str] = {}
+        self.offloader = None  # nvme / partial offload: engine/nvme.py PartialOffload
+        if settings.split is not None:
+            from .nvme import PartialOffload
+
+            self.offloader = PartialOffload(settings.split, layout, comm.rank)
         self.buckets = self._build_buckets(named_groups)
         # id(param) -> (bucket, index in bucket.params): zero.utils finds a parameter's shards
         self._place = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -275,7 +284,10 @@ class ZeroOptimizer:
             bucket.param_shard = full[begin:end].to(self.compute_dtype, copy=True)
             if self.settings.offload_param:
                 bucket.param_shard = host_copy(bucket.param_shard, self.settings.pin_param)
-        if self.settings.offload:
+        where = self._placement(bucket)
+        if where == "nvme":
+            self.offloader.adopt(bucket, full[begin:end])
+        elif where == "cpu":
             bucket.master = host_copy(full[begin:end], self.settings.pin_memory)
             bucket.host_grad = host_copy(torch.zeros(layout.shard_numel), self.settings.pin_memory)
         elif self.compute_dtype == torch.float32:
@@ -295,9 +307,9 @@ class ZeroOptimizer:
         else:
             bucket.grad_shard = torch.zeros(layout.shard_numel, dtype=accum_dtype, device=device)
         # A 2-byte shard cannot be the fp32 master's .grad: step() binds an fp32 copy.
-        if self.settings.offload:
+        if where == "cpu":
             bucket.master.grad = bucket.host_grad
-        elif accum_dtype == torch.float32:
+        elif where == "device" and accum_dtype == torch.float32:
             bucket.master.grad = bucket.grad_shard
         if self.settings.stage == 3:
             bucket.param_buffer = None
@@ -308,6 +320,12 @@ class ZeroOptimizer:
                 slot.shape
             )
             param.grad = None
+
+    def _placement(self, bucket: Bucket) -> str:
+        """Where the bucket's master and optimizer state live: "device", "cpu" or "nvme"."""
+        if self.offloader is not None:
+            return self.offloader.where(bucket)
+        return "cpu" if self.settings.offload else "device"
 
     def _register_hooks(self) -> list:
         handles = []
@@ -526,6 +544,9 @@ class ZeroOptimizer:
     def _optimizer_step(self, grads: list[torch.Tensor]) -> None:
         """Step on the master shards (on the host with offload) and refresh the parameters.
         grads: per bucket, the (shard_numel,) fp32 unscaled, clipped owned gradient."""
+        if self.offloader is not None:
+            self.offloader.step(self, grads)
+            return
         if not self.settings.offload:
             transient = self.settings.accum_dtype != torch.float32
             for bucket, grad in zip(self.buckets, grads):
@@ -591,6 +612,8 @@ class ZeroOptimizer:
         elements in flight. Collective."""
         pending: deque[tuple[Handle, int]] = deque()
         in_flight = 0
+        if self.offloader is not None:  # nvme masters are not resident: copied when stepped
+            skip_copy = set(skip_copy) | self.offloader.swapped_masters(self.buckets)
         for bucket in self.buckets:
             if bucket.master is not bucket.param_shard and id(bucket.master) not in skip_copy:
                 bucket.param_shard.copy_(bucket.master, non_blocking=bucket.master.is_pinned())
@@ -659,6 +682,20 @@ class ZeroOptimizer:
                 if torch.is_tensor(value) and value.numel() > 1:
                     state += value.numel() * value.element_size()
         return {"params": param, "grads": grad, "master": master, "optimizer_state": state}
+
+    def resident(self, bucket: Bucket, write: bool = False):
+        """Context manager: inside, bucket.master and its optimizer state are real tensors even
+        when they live in nvme files (engine/nvme.py); with `write`, changes made inside are
+        written back and copied into the parameter shard. Checkpoints and zero.utils read and
+        write the fp32 state through it. Not a collective."""
+        if self.offloader is None:
+            return contextlib.nullcontext()
+        return self.offloader.resident(bucket, self.optimizer, write)
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise: nvme swap files (idempotent)."""
+        if self.offloader is not None:
+            self.offloader.close()
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.scaler.state_dict()}

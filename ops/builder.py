@@ -383,8 +383,36 @@ class FusedAdamBuilder(OpBuilder):
         return ["-O3"]  # no --use_fast_math: it changes sqrt and division rounding
 
 
+class AioBuilder(OpBuilder):
+    """aio: asynchronous file I/O for NVMe offload (ops/csrc/aio.cpp, used by ops/aio.py).
+
+    io_uring and kernel AIO through raw syscalls (only the kernel's uapi headers
+    linux/io_uring.h and linux/aio_abi.h are needed, no liburing / libaio), and a pread / pwrite
+    thread pool; which of them works is decided at run time. Includes only pybind11, so the
+    build takes seconds.
+    """
+
+    name = "aio"
+    sources = ("aio.cpp",)
+    has_fallback = True
+
+    def variant(self) -> str:
+        return platform.machine().lower() or "unknown"
+
+    def is_compatible(self) -> tuple[bool, str]:
+        if platform.system() != "Linux":
+            return False, f"needs Linux (io_uring, kernel AIO, O_DIRECT), found {platform.system()}"
+        return True, "ok"
+
+    def cflags(self) -> list[str]:
+        return ["-O2"]
+
+    def ldflags(self) -> list[str]:
+        return ["-pthread"]
+
+
 _BUILDER_CLASSES: dict[str, type[OpBuilder]] = {
-    builder.name: builder for builder in (CPUAdamBuilder, FusedAdamBuilder)
+    builder.name: builder for builder in (CPUAdamBuilder, FusedAdamBuilder, AioBuilder)
 }
 _BUILDERS: dict[str, OpBuilder] = {}
 

@@ -1,18 +1,23 @@
 """`zero-report`: what zero's ops need and where they stand on this machine.
 
 Prints, per op, whether it is compatible here (and why not), its build state and cache path,
-then the torch, CUDA, nvcc and C++ compiler versions and the CPU features the builds key on.
+the NVMe I/O backend AsyncFileIO uses and whether O_DIRECT works in the current directory and
+$TMPDIR, then the torch, CUDA, nvcc and C++ compiler versions and the CPU features the builds
+key on.
 `zero-report --build` first builds every compatible op (as ZERO_BUILD_OPS=1 does at install).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 from .builder import (
+    BuildState,
     cache_root,
     cpu_features,
     cxx_compiler,
@@ -38,6 +43,24 @@ def _tool_version(command: list[str]) -> str:
     return (release or lines)[0].strip()
 
 
+def _io_lines() -> list[str]:
+    """The AsyncFileIO backend in use (op aio loaded only if it is already built) and O_DIRECT."""
+    from .aio import available_backends, best_backend, direct_io_supported
+
+    builder = get_builder("aio")
+    if builder.state() in (BuildState.CACHED, BuildState.LOADED):
+        backend = f"{best_backend()} (available: {', '.join(available_backends())})"
+    else:
+        backend = f"python (op aio {builder.state().value}; zero-report --build builds it)"
+    lines = ["nvme i/o (zero.ops.aio.AsyncFileIO)", f"  backend: {backend}"]
+    directories = {"current directory": os.getcwd()}
+    directories["$TMPDIR"] = tempfile.gettempdir()
+    for label, directory in directories.items():
+        works = "yes" if direct_io_supported(directory) else "no"
+        lines.append(f"  O_DIRECT in {label} ({directory}): {works}")
+    return lines
+
+
 def report_lines() -> list[str]:
     """The report as lines of text (no trailing newlines)."""
     import torch
@@ -49,6 +72,7 @@ def report_lines() -> list[str]:
         lines.append(f"  {name}: {'compatible' if ok else 'incompatible'} - {reason}")
         lines.append(f"    state: {builder.state().value}")
         lines.append(f"    cache: {builder.build_dir()}")
+    lines += _io_lines()
     nvcc = find_nvcc()
     lines += [
         "versions",

@@ -152,8 +152,9 @@ def test_optimizer_with_construction_state_and_shape_dependent_rejection():
         raise AssertionError("Adafactor was accepted")
 
 
-def test_nvme_offload_is_refused_naming_the_key(tmp_path):
-    for key in ("offload_optimizer", "offload_param"):
+def test_nvme_param_offload_is_refused_naming_the_key(tmp_path):
+    # offload_optimizer nvme runs (tests/test_nvme.py); parameter shards on nvme do not yet.
+    for key in ("offload_param",):
         cfg = {
             "train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},

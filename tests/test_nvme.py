@@ -1,0 +1,273 @@
+"""ZeRO-Infinity optimizer offload to nvme and partial offload (offload_optimizer.ratio):
+
+- runs offloaded to nvme (all of it, or ratio 0.5) and runs with half the state on the host equal
+  runs without offload after every optimizer step (fp32, 1e-6), stages 1-3, GAS 1 and 2, N = 2,
+  on a model of odd sizes (tests/test_stages.py Net);
+- the swap files exist only while the engine lives; a crashed run's directory is never reused
+  and is removed by the next run on the host;
+- checkpoints move between nvme and no-offload runs in both directions;
+- nvme_path that is missing, not a directory, not writable or too small is an error naming the
+  key before anything is allocated;
+- a run killed during a step leaves its last checkpoint loadable.
+"""
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from distributed import run_ranks
+from test_stages import Net, batches, param_groups
+
+import zero
+from zero.config import ConfigError
+
+STEPS = 3
+
+
+def config(stage, gas, offload=None):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+    }
+    if offload is not None:
+        cfg["zero_optimization"]["offload_optimizer"] = offload
+    return cfg
+
+
+def make_engine(cfg):
+    torch.manual_seed(0)
+    model = Net()
+    params = [{k: v for k, v in g.items() if k != "weight_decay"} for g in param_groups(model)]
+    engine, _, _, _ = zero.initialize(model=model, model_parameters=params, config=cfg)
+    return engine
+
+
+def params_of(engine):
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def train(engine, gas, steps, same_modules):
+    data = batches(engine.world_size, gas, steps=STEPS, same_modules=same_modules)
+    history = []
+    for step in (data[i] for i in steps):
+        for micro in step:
+            x, y, use_extra = micro[engine.rank]
+            engine.backward(engine(x, y, use_extra=use_extra))
+            engine.step()
+        history.append(params_of(engine))
+    return history
+
+
+def swap_dirs(root):
+    return sorted(n for n in os.listdir(root) if n.startswith("zero-"))
+
+
+def run_case(root, stage, gas, offload):
+    engine = make_engine(config(stage, gas, offload))
+    placement = []
+    if engine.optimizer.offloader is not None:
+        placement = [engine.optimizer.offloader.where(b) for b in engine.optimizer.buckets]
+    history = train(engine, gas, range(STEPS), stage == 3)
+    mine = [d for d in swap_dirs(root) if d.endswith(f"rank{engine.rank}")]
+    files = len(os.listdir(os.path.join(root, mine[0]))) if mine else 0
+    engine.close()
+    left = [d for d in swap_dirs(root) if d.endswith(f"rank{engine.rank}")]
+    return history, placement, files, left
+
+
+def resume_case(root, stage, before, after, tag):
+    """Two steps with offload `before`, save, load into an engine with offload `after`, one
+    more step: the params after it, and those of the same three steps without offload."""
+    engine = make_engine(config(stage, 1, before))
+    train(engine, 1, range(2), stage == 3)
+    engine.save_checkpoint(f"{root}/ckpt", tag=tag)
+    engine.close()
+    engine = make_engine(config(stage, 1, after))
+    engine.load_checkpoint(f"{root}/ckpt", tag=tag)
+    resumed = train(engine, 1, range(2, 3), stage == 3)
+    engine.close()
+    return resumed[-1]
+
+
+def sweep(root):
+    nvme = {"device": "nvme", "nvme_path": f"{root}/swap", "buffer_count": 2}
+    os.makedirs(nvme["nvme_path"], exist_ok=True)
+    offloads = {
+        "none": None,
+        "nvme": nvme,
+        "nvme ratio 0.5": dict(nvme, ratio=0.5),
+        "cpu ratio 0.5": {"device": "cpu", "ratio": 0.5},
+    }
+    out = {}
+    for stage, gas in itertools.product((1, 2, 3), (1, 2)):
+        for name, offload in offloads.items():
+            out[(stage, gas, name)] = run_case(nvme["nvme_path"], stage, gas, offload)
+    for stage in (2, 3):
+        plain = out[(stage, 1, "none")][0][-1]
+        for before, after in (("nvme", "none"), ("none", "nvme"), ("nvme", "nvme ratio 0.5")):
+            tag = f"s{stage}-{before}-{after}".replace(" ", "_")
+            got = resume_case(root, stage, offloads[before], offloads[after], tag)
+            out[(stage, f"{before} -> {after}")] = (plain, got)
+    rank = os.environ["RANK"]  # the other rank may still be closing its last engine
+    out["left"] = [d for d in swap_dirs(nvme["nvme_path"]) if d.endswith(f"rank{rank}")]
+    return out
+
+
+def test_nvme_and_ratio_match_no_offload_after_every_step(tmp_path):
+    results = run_ranks(sweep, 2, str(tmp_path))
+    for rank_results in results:
+        assert rank_results.pop("left") == []
+        for case, value in rank_results.items():
+            if "->" in str(case[-1]):
+                plain, got = value
+                for a, b in zip(plain, got):
+                    assert torch.allclose(a, b, rtol=0, atol=1e-6), case
+                continue
+            history, placement, files, left = value
+            assert left == [], case  # close() removed the run's directory
+            ref = rank_results[(case[0], case[1], "none")][0]
+            for step, (a_step, b_step) in enumerate(zip(ref, history)):
+                for a, b in zip(a_step, b_step):
+                    assert torch.allclose(a, b, rtol=0, atol=1e-6), (case, step)
+            if case[2] == "nvme":
+                assert set(placement) == {"nvme"} and files > 1, case
+            elif "ratio" in case[2]:
+                kind = case[2].split()[0]
+                assert placement[0] == "device" and placement[-1] == kind, (case, placement)
+
+
+# ----- directory lifetime -------------------------------------------------------------------
+def _fake_run_dir(root, pid, host=None):
+    path = os.path.join(root, f"zero-{pid}-1a2b-c3d4e5f6-rank0")
+    os.mkdir(path)
+    with open(os.path.join(path, "owner.json"), "w") as handle:
+        json.dump({"host": host or socket.gethostname(), "pid": pid, "started": 1.0}, handle)
+    with open(os.path.join(path, "b0.master.swp"), "wb") as handle:
+        handle.write(b"\0" * 4096)
+    return path
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_directories_are_removed_and_never_reused(tmp_path):
+    stale = _fake_run_dir(str(tmp_path), _dead_pid())
+    remote = _fake_run_dir(str(tmp_path), os.getpid() + 1, host="another-host")
+    cfg = config(2, 1, {"device": "nvme", "nvme_path": str(tmp_path)})
+    engine = make_engine(cfg)
+    try:
+        assert not os.path.exists(stale)  # this host, owner gone: removed
+        assert os.path.exists(remote)  # another host's run may be alive: kept
+        mine = [d for d in swap_dirs(tmp_path) if d.split("-")[1] == str(os.getpid())]
+        assert len(mine) == 1 and os.path.join(tmp_path, mine[0]) != remote
+        assert engine.optimizer.offloader.bytes_on_disk > 0
+    finally:
+        engine.close()
+    assert swap_dirs(tmp_path) == [os.path.basename(remote)]
+
+
+# ----- checks before anything is allocated --------------------------------------------------
+def _refused(cfg, match):
+    model = Net()
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=match):
+        zero.initialize(model=model, config=cfg)
+    assert [p.data_ptr() for p in model.parameters()] == before
+
+
+def test_bad_nvme_path_is_an_error_naming_the_key(tmp_path, monkeypatch):
+    key = r"zero_optimization\.offload_optimizer\.nvme_path"
+    for path, why in (
+        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "file", "is not a directory"),
+    ):
+        (tmp_path / "file").write_text("x")
+        _refused(config(2, 1, {"device": "nvme", "nvme_path": str(path)}), f"{key}.*{why}")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        _refused(config(2, 1, {"device": "nvme", "nvme_path": str(locked)}), f"{key}.*writable")
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr("zero.nvme.shutil.disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    _refused(config(3, 1, {"device": "nvme", "nvme_path": str(tmp_path)}), f"{key}.*GiB free")
+    assert swap_dirs(tmp_path) == []
+
+
+# ----- a kill during a step ------------------------------------------------------------------
+KILLED_RUN = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import torch
+import zero.nvme
+from test_nvme import config, make_engine, train
+
+engine = make_engine(config(2, 1, {{"device": "nvme", "nvme_path": {swap!r}}}))
+train(engine, 1, range(2), False)
+engine.save_checkpoint({ckpt!r}, tag="last")
+written = zero.nvme.PartialOffload._write_back
+
+def die(self, *args):
+    written(self, *args)
+    os.kill(os.getpid(), signal.SIGKILL)  # with the first sub-group's writes in flight
+
+zero.nvme.PartialOffload._write_back = die
+train(engine, 1, range(2, 3), False)
+"""
+
+
+def test_kill_during_step_leaves_the_last_checkpoint_loadable(tmp_path):
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    swap.mkdir()
+    script = KILLED_RUN.format(tests=os.path.dirname(__file__), swap=str(swap), ckpt=str(ckpt))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    left = swap_dirs(swap)
+    assert len(left) == 1  # the killed run's files stay behind, recognizably its own
+    expected = train(make_engine(config(2, 1)), 1, range(3), False)
+    for offload in ({"device": "nvme", "nvme_path": str(swap)}, None):
+        engine = make_engine(config(2, 1, offload))
+        engine.load_checkpoint(str(ckpt), tag="last")
+        assert left[0] not in swap_dirs(swap)  # removed: its owner is dead
+        got = train(engine, 1, range(2, 3), False)
+        engine.close()
+        for a, b in zip(expected[-1], got[-1]):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6), offload
+    assert swap_dirs(swap) == []
+
+
+# ----- zero-estimate --------------------------------------------------------------------------
+def test_estimator_recommends_nvme_with_a_ratio_when_nothing_else_fits(tmp_path, capsys):
+    from zero import estimator
+
+    out = tmp_path / "recommended.json"
+    argv = ["--params", "4e9", "--devices-per-node", "1", "--device-memory", "80G"]
+    argv += ["--host-memory", "32G", "--reduce-bucket-size", "1e8", "--write-config", str(out)]
+    assert estimator.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "recommended: stage 1 with optimizer offload to nvme, ratio 0.5" in printed
+    block = json.loads(out.read_text())["zero_optimization"]["offload_optimizer"]
+    assert block["device"] == "nvme" and block["ratio"] == 0.5 and block["nvme_path"]
+    cluster = estimator.Cluster(devices_per_node=1, device_memory=80 * 2**30)
+    rows = estimator.estimate(4 * 10**9, cluster, estimator.Options(bucket_numel=10**8))
+    full = next(r for r in rows if r.stage == 3 and r.device == "none")
+    half = next(r for r in rows if r.stage == 3 and r.device == "nvme")
+    # Half of the fp32 master + Adam moments (12 bytes per element) left the device for files.
+    assert full.model_states - half.model_states == half.per_nvme == 6 * 4 * 10**9
