@@ -18,3 +18,67 @@ def test_backend_of_a_one_rank_communicator_is_none():
     comm = Communicator(None, 0, 1)
     assert comm.backend == ""
     assert comm.all_reduce(torch.ones(2)).blocks_host
+
+
+def _exchanges(sizes):
+    """On 3 gloo ranks: zero's reduce-scatter and all-gather (point-to-point exchanges, [Note:
+    gloo exchanges]) beside torch's own collectives, several in flight at once, in place and
+    not, on the default group and on a sibling group."""
+    import torch.distributed as dist
+
+    from zero.comm import _Exchange
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Communicator(None, rank, world)
+    sibling = comm.sibling("test-exchanges")
+    gen = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(world * n, generator=gen) for n in sizes]
+    out = {"reduce_scatter": [], "expected_rs": [], "all_gather": [], "expected_ag": []}
+    for group in (comm, sibling):
+        handles, outputs = [], []
+        for index, full in enumerate(inputs):
+            n = full.numel() // world
+            in_place = index % 2 == 1
+            buffer = full.clone()
+            target = buffer[rank * n : (rank + 1) * n] if in_place else torch.empty(n)
+            handles.append(group.reduce_scatter(target, buffer, async_op=True))
+            outputs.append(target)
+        assert all(isinstance(h._work, _Exchange) for h in handles)
+        for handle in reversed(handles):  # waited out of order
+            handle.wait()
+        for target, full in zip(outputs, inputs):
+            n = full.numel() // world
+            parts = [torch.empty(world * n) for _ in range(world)]
+            dist.all_gather(parts, full)
+            expected = parts[rank][rank * n : (rank + 1) * n].clone()
+            for peer in range(world):
+                if peer != rank:
+                    expected += parts[peer][rank * n : (rank + 1) * n]
+            out["reduce_scatter"].append(target)
+            out["expected_rs"].append(expected)
+    for index, full in enumerate(inputs):
+        n = full.numel() // world
+        shard = full[:n].clone()
+        gathered = torch.full((world * n,), float("nan"))
+        if index % 2 == 1:  # in place: the shard is this rank's slice of the output
+            gathered[rank * n : (rank + 1) * n] = shard
+            comm.all_gather(gathered, gathered[rank * n : (rank + 1) * n])
+        else:
+            comm.all_gather(gathered, shard)
+        expected = torch.empty(world * n)
+        dist.all_gather_into_tensor(expected, shard)
+        out["all_gather"].append(gathered)
+        out["expected_ag"].append(expected)
+    return out
+
+
+def test_gloo_reduce_scatter_and_all_gather_are_exact_exchanges():
+    from distributed import run_ranks
+
+    sizes = [1, 7, 1000, 4097]
+    for result in run_ranks(_exchanges, 3, sizes, timeout=120):
+        for got, expected in zip(result["reduce_scatter"], result["expected_rs"]):
+            assert torch.equal(got, expected)  # own slice, then the peers' in rank order
+        for got, expected in zip(result["all_gather"], result["expected_ag"]):
+            assert torch.equal(got, expected)
