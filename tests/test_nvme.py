@@ -271,3 +271,84 @@ def test_estimator_recommends_nvme_with_a_ratio_when_nothing_else_fits(tmp_path,
     half = next(r for r in rows if r.stage == 3 and r.device == "nvme")
     # Half of the fp32 master + Adam moments (12 bytes per element) left the device for files.
     assert full.model_states - half.model_states == half.per_nvme == 6 * 4 * 10**9
+
+
+# ----- parameter shards on nvme (offload_param.device "nvme", stage 3) -----------------------
+def param_config(gas, root, opt_offload=None, prefetch=0, max_in_cpu=0, param=True):
+    cfg = config(3, gas, opt_offload)
+    zero_cfg = cfg["zero_optimization"]
+    zero_cfg["stage3_prefetch_bucket_size"] = prefetch
+    if param:
+        zero_cfg["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": root,
+            "buffer_count": 2,
+            "buffer_size": 64,
+            "max_in_cpu": max_in_cpu,
+        }
+    return cfg
+
+
+def eval_loss(engine, step):
+    """A forward without backward (no_grad), on the next step's first micro-batch."""
+    x, y, use_extra = batches(engine.world_size, 1, steps=STEPS + 1, same_modules=True)[step][0][
+        engine.rank
+    ]
+    with torch.no_grad():
+        return float(engine(x, y, use_extra=use_extra))
+
+
+def param_run(root, cfg, gas):
+    engine = make_engine(cfg)
+    swap = engine.optimizer.param_swap
+    data = batches(engine.world_size, gas, steps=STEPS, same_modules=True)
+    history = []
+    for step in data:
+        for micro in step:
+            x, y, use_extra = micro[engine.rank]
+            engine.backward(engine(x, y, use_extra=use_extra))
+            engine.step()
+        history.append((params_of(engine), eval_loss(engine, len(history) + 1)))
+    state = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
+    stats = None
+    if swap is not None:
+        stats = (len(swap.shards), swap.reads, swap.bytes_on_disk, engine.memory_report())
+    engine.close()
+    left = [d for d in swap_dirs(root) if d.endswith(f"rank{engine.rank}")]
+    return history, state, stats, left
+
+
+def param_sweep(root):
+    swap = f"{root}/swap"
+    os.makedirs(swap, exist_ok=True)
+    opt_nvme = {"device": "nvme", "nvme_path": swap, "buffer_count": 2}
+    out = {}
+    for gas in (1, 2):
+        out[(gas, "ref")] = param_run(swap, param_config(gas, swap, param=False), gas)
+        for prefetch, opt in itertools.product((0, 1000), (None, opt_nvme)):
+            cfg = param_config(gas, swap, opt, prefetch)
+            out[(gas, prefetch, opt is not None)] = param_run(swap, cfg, gas)
+    # the first shards stay in host memory (max_in_cpu elements), the rest in files
+    out[(1, "max_in_cpu")] = param_run(swap, param_config(1, swap, max_in_cpu=40), 1)
+    return out
+
+
+def test_param_nvme_matches_no_offload_after_every_step(tmp_path):
+    results = run_ranks(param_sweep, 2, str(tmp_path))
+    for rank_results in results:
+        for case, (history, state, stats, left) in rank_results.items():
+            assert left == [], case
+            ref_history, ref_state, _, _ = rank_results[(case[0], "ref")]
+            for step, ((a_params, a_loss), (b_params, b_loss)) in enumerate(
+                zip(ref_history, history)
+            ):
+                assert abs(a_loss - b_loss) <= 1e-6, (case, step)
+                for a, b in zip(a_params, b_params):
+                    assert torch.allclose(a, b, rtol=0, atol=1e-6), (case, step)
+            for name, value in ref_state.items():
+                assert torch.allclose(value, state[name], rtol=0, atol=1e-6), (case, name)
+            if case[1] == "ref":
+                continue
+            shards, reads, on_disk, report = stats
+            assert shards > 0 and reads > 0 and on_disk > 0, case
+            assert report["nvme_bytes"]["params"] == on_disk, case
