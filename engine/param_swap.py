@@ -149,6 +149,7 @@ class ParamSwap:
         self.free: list[torch.Tensor] = []
         self.extra_buffers = 0  # temporary buffers taken because the pool was busy
         self.reads = 0  # reads from files (measured by tests and benchmarks)
+        self.ahead_hits = 0  # acquires that found their shard read ahead
         self._ahead: deque = deque()  # buckets read ahead, oldest first
         self._writing: deque = deque()  # buckets whose writes are in flight, oldest first
 
@@ -263,6 +264,7 @@ class ParamSwap:
             shard.request.wait()
             shard.request, shard.state = None, SwapState.RESIDENT  # the buffer still holds it
         elif shard.state is SwapState.READING:
+            self.ahead_hits += 1
             self._ahead.remove(shard)
             shard.request.wait()
             shard.request, shard.state = None, SwapState.RESIDENT
