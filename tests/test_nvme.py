@@ -210,6 +210,16 @@ def test_bad_nvme_path_is_an_error_naming_the_key(tmp_path, monkeypatch):
     assert swap_dirs(tmp_path) == []
 
 
+def test_bad_param_nvme_path_or_buffer_size_is_an_error_naming_the_key(tmp_path):
+    key = r"zero_optimization\.offload_param"
+    missing = param_config(1, str(tmp_path / "missing"))
+    _refused(missing, f"{key}\\.nvme_path.*does not exist")
+    small = param_config(1, str(tmp_path))
+    small["zero_optimization"]["offload_param"]["buffer_size"] = 8  # embed: 66, one rank
+    _refused(small, f"{key}\\.buffer_size.*at least 66")
+    assert swap_dirs(tmp_path) == []
+
+
 # ----- a kill during a step ------------------------------------------------------------------
 KILLED_RUN = """
 import os, signal, sys
@@ -285,7 +295,7 @@ def param_config(gas, root, opt_offload=None, prefetch=0, max_in_cpu=0, param=Tr
             "device": "nvme",
             "nvme_path": root,
             "buffer_count": 2,
-            "buffer_size": 64,
+            "buffer_size": 128,
             "max_in_cpu": max_in_cpu,
         }
     return cfg
