@@ -191,6 +191,9 @@ def capped(args, rank: int) -> None:
     nvme = {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 2}
     cfg = config(args, nvme, "bf16")
     cfg["zero_optimization"]["sub_group_size"] = buffer
+    # fp32 gradient shards (4 Psi/N): 2-byte ones need a transient fp32 copy of every shard at
+    # the step (2 + 4 Psi/N at the peak)
+    cfg.pop("data_types")
     if args.nvme_params:
         cfg["zero_optimization"]["offload_param"] = {
             "device": "nvme",
