@@ -53,7 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--capped", action="store_true", help="the memory-capped nvme run")
-    parser.add_argument("--cap_fraction", type=float, default=0.8, help="cap / (12 Psi bytes)")
+    parser.add_argument(
+        "--cap_fraction",
+        type=float,
+        default=0.8,
+        help="cap = baseline RSS of an empty rank + cap_fraction x 12 Psi / N bytes",
+    )
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--nvme_params", type=int, default=1, help="--capped: offload_param nvme")
+    parser.add_argument("--buffer_numel", type=float, default=4e6, help="nvme buffers, elements")
     return parser.parse_args(argv)
 
 
@@ -69,7 +77,7 @@ def config(args, offload: dict | None, dtype: str = "fp32") -> dict:
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
         "zero_optimization": zero_block,
     }
     if dtype == "bf16":
@@ -103,9 +111,11 @@ def build(args, cfg, partitioned: bool = False):
     return engine
 
 
-def train(engine, data) -> tuple[list[float], list[float]]:
+def train(engine, data, phase=None) -> tuple[list[float], list[float]]:
     losses, seconds = [], []
     for x, y in data:
+        if phase is not None:
+            phase[0] = f"step {len(losses) + 1}"
         start = time.perf_counter()
         loss = engine(x, y)
         loss = loss[1] if isinstance(loss, tuple) else loss
@@ -144,10 +154,20 @@ def timed(args, rank: int) -> None:
             print(f"| {name} | {ms:.1f} | {on_disk / 2**20:.1f} |")
 
 
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def capped(args, rank: int) -> None:
     psi = build_psi(args)
-    cap = int(args.cap_fraction * 12 * psi)
+    # An empty rank: torch imported, threads set, no model (gloo's group adds a few MiB).
+    baseline = _rss()
+    budget = int(args.cap_fraction * 12 * psi / args.world_size)
+    cap = baseline + budget
     peak = [0]
+    phase = ["build"]
     stop = threading.Event()
 
     def watch():
@@ -160,24 +180,45 @@ def capped(args, rank: int) -> None:
             if rss > cap:
                 print(
                     f"rank {rank}: resident {rss / 2**20:.0f} MiB passed the cap "
-                    f"{cap / 2**20:.0f} MiB",
+                    f"{cap / 2**20:.0f} MiB during {phase[0]}",
                     flush=True,
                 )
                 os._exit(3)
 
     threading.Thread(target=watch, daemon=True).start()
     args.stage = 3
+    buffer = int(args.buffer_numel)
     nvme = {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 2}
-    engine = build(args, config(args, nvme, "bf16"), partitioned=True)
-    losses, seconds = train(engine, batches(args, rank, 1) * args.steps)  # one batch, learnt
+    cfg = config(args, nvme, "bf16")
+    cfg["zero_optimization"]["sub_group_size"] = buffer
+    # fp32 gradient shards (4 Psi/N): 2-byte ones need a transient fp32 copy of every shard at
+    # the step (2 + 4 Psi/N at the peak)
+    cfg.pop("data_types")
+    if args.nvme_params:
+        cfg["zero_optimization"]["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": args.nvme_path,
+            "buffer_count": 4,
+            "buffer_size": buffer,
+            "max_in_cpu": 0,
+        }
+    engine = build(args, cfg, partitioned=True)
+    built = _rss()
+    # one batch, learnt: the loss must fall
+    losses, seconds = train(engine, batches(args, rank, 1) * args.steps, phase)
+    on_disk = engine.optimizer.nvme_bytes()
     engine.close()
     stop.set()
     kernel_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mib = 2**20
     print(
-        f"rank {rank}: Psi = {psi:,}; 12 Psi = {12 * psi / 2**20:.0f} MiB; cap "
-        f"{cap / 2**20:.0f} MiB; peak resident {kernel_peak / 2**20:.0f} MiB (ru_maxrss), "
-        f"{'within' if kernel_peak <= cap else 'ABOVE'} the cap; losses "
-        f"{[round(v, 3) for v in losses]}; median step {statistics.median(seconds):.2f} s",
+        f"rank {rank}: Psi = {psi:,}; 12 Psi = {12 * psi / mib:.0f} MiB, 12 Psi/N = "
+        f"{12 * psi / args.world_size / mib:.0f} MiB; empty rank {baseline / mib:.0f} MiB; cap "
+        f"{baseline / mib:.0f} + {budget / mib:.0f} = {cap / mib:.0f} MiB; after build "
+        f"{built / mib:.0f} MiB; peak {kernel_peak / mib:.0f} MiB (ru_maxrss), "
+        f"{'within' if kernel_peak <= cap else 'ABOVE'} the cap; on nvme: params "
+        f"{on_disk['params'] / mib:.0f} MiB, masters+Adam {on_disk['optimizer'] / mib:.0f} MiB; "
+        f"losses {[round(v, 3) for v in losses]}; median step {statistics.median(seconds):.2f} s",
         flush=True,
     )
 

@@ -23,7 +23,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import gathered, nvme
+from . import gathered, nvme, param_swap
 from .accelerator import Accelerator
 from .comm import Communicator, Intent
 from .flat import FlatLayout
@@ -55,19 +55,20 @@ logger = logging.getLogger("zero")
 
 
 def check_implemented(config) -> None:
-    """Raise NotImplementedError, naming the key, for valid config values zero does not run."""
-    for key in ("offload_param",):
-        block = getattr(config.zero, key)
-        if block is not None and block.device == "nvme":
-            raise NotImplementedError(
-                f"zero_optimization.{key}.device 'nvme' (ZeRO-Infinity) is not implemented; "
-                'use "cpu" or "none"'
-            )
+    """Raise NotImplementedError, naming the key, for valid config values zero does not run
+    (none at present: offload_param and offload_optimizer run on "cpu" and "nvme")."""
+    del config
 
 
 def _on_cpu(block):
     """An offload_optimizer / offload_param block when its device is "cpu", else None."""
     return block if block is not None and block.device == "cpu" else None
+
+
+def _on_host(block):
+    """An offload_param block whose shards are made in host memory ("cpu", or "nvme": the
+    engine moves them to files), else None."""
+    return block if block is not None and block.device in ("cpu", "nvme") else None
 
 
 class Phase(enum.Enum):
@@ -113,6 +114,9 @@ class Engine(torch.nn.Module):
             sum(full_numel(p) for named in named_groups for _, p in named),
             self._num_shards(),
             comm.rank,
+        )
+        param_swap.check_before_allocating(
+            config, [full_numel(p) for p in model.parameters()], self._num_shards(), comm.rank
         )
         # Before the first collective: every rank built the same model with the same config.
         agreement = comm.start_agreement(config.agreement_timeout)
@@ -161,12 +165,13 @@ class Engine(torch.nn.Module):
             if frozen:
                 self.frozen = FrozenShards(
                     frozen,
-                    config.zero.reduce_bucket_size,
+                    nvme.sub_group_bucket_numel(config, self._num_shards()),
                     comm,
                     unit_of,
                     config.compute_dtype,
                     self._offload_param is not None,
                     self._offload_param is not None and self._offload_param.pin_memory,
+                    param_swap=self.optimizer.param_swap,
                 )
             self.gatherer = ParamGatherer(
                 self.module,
@@ -177,6 +182,7 @@ class Engine(torch.nn.Module):
                 prefetch_numel=config.zero.stage3_prefetch_bucket_size,
                 max_live_numel=config.zero.stage3_max_live_parameters,
             )
+            self.gatherer.param_swap = self.optimizer.param_swap
             self.gatherer.attach(
                 self.optimizer.buckets + (self.frozen.buckets if self.frozen else [])
             )
@@ -270,6 +276,7 @@ class Engine(torch.nn.Module):
             offload=self._offload_optimizer is not None and split is None,
             pin_memory=bool(self._offload_optimizer and self._offload_optimizer.pin_memory),
             split=split,
+            param_nvme=param_swap.ParamOffload.from_config(self.config),
             offload_param=self._offload_param is not None,
             pin_param=bool(self._offload_param and self._offload_param.pin_memory),
             accum_dtype=self.config.grad_accum_dtype,
@@ -780,8 +787,9 @@ class Engine(torch.nn.Module):
         return stats
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds per model-state kind: {"params", "grads", "master",
-        "optimizer_state"} (gradients in data_types.grad_accum_dtype). Not a collective."""
+        """Bytes this rank holds in memory per model-state kind: {"params", "grads", "master",
+        "optimizer_state"} (gradients in data_types.grad_accum_dtype); what nvme offload keeps in
+        files counts 0 here, see engine.optimizer.nvme_bytes(). Not a collective."""
         return self.optimizer.model_state_bytes()
 
     def memory_report(self) -> dict:

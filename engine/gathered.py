@@ -140,8 +140,9 @@ def _publish_modification(optimizer, params, src: int) -> None:
         optimizer.comm.broadcast(bucket.param_buffer, src=src)
         begin, end = bucket.layout.owned_range(shard)
         owned = bucket.param_buffer[begin:end]
-        if bucket.param_shard.data_ptr() != owned.data_ptr():
-            bucket.param_shard.copy_(owned)
-        if bucket.master is not None and bucket.master is not bucket.param_shard:
-            bucket.master.copy_(owned)
+        with optimizer.resident(bucket, write=True):  # shards and masters in nvme files too
+            if bucket.param_shard.data_ptr() != owned.data_ptr():
+                bucket.param_shard.copy_(owned)
+            if bucket.master is not None and bucket.master is not bucket.param_shard:
+                bucket.master.copy_(owned)
         bucket.versions = [param._version for param in bucket.params]  # published: not lost

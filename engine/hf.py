@@ -138,6 +138,10 @@ class _Places:
         shard_index = self.optimizer.layout.shard_of(self.optimizer.comm.rank)
         begin, end = bucket.layout.owned_range(shard_index)
         lo, hi = max(begin, slot.offset), min(end, slot.offset + slot.numel)
+        with self.optimizer.resident(bucket, write=True):  # nvme: read, change, write back
+            self._write_owned(bucket, slot, read, begin, lo, hi)
+
+    def _write_owned(self, bucket, slot, read, begin: int, lo: int, hi: int) -> None:
         owned = None
         if self.optimizer.settings.stage < 3:  # every rank holds the whole parameter
             value = read(0, slot.numel)
@@ -406,8 +410,9 @@ def _piece_values(engine, piece: _Piece):
     if piece.tensor is not None:
         return [(piece.entries[0][0], piece.tensor)] if engine.comm.rank == 0 else []
     bucket = piece.bucket
-    source = bucket.master if bucket.master is not None else bucket.param_shard
-    source = source.to(engine.device)
+    with engine.optimizer.resident(bucket):  # nvme: master or shard read from its file
+        source = bucket.master if bucket.master is not None else bucket.param_shard
+        source = source.to(engine.device, copy=True)
     if bucket.layout.num_shards == 1:
         full = source
     else:

@@ -273,10 +273,10 @@ class Init:
             cfg = load_config(source, world_size=self.comm.world_size)
         offload = None  # the offload_param block when it keeps shards on the CPU
         if cfg is not None:
-            from .engine import _on_cpu, check_implemented
+            from .engine import _on_host, check_implemented
 
             check_implemented(cfg)
-            offload = _on_cpu(cfg.zero.offload_param)
+            offload = _on_host(cfg.zero.offload_param)
         self.comm_device = accelerator.device  # where collectives run
         host = remote_device == "cpu" or offload is not None
         self.device = torch.device("cpu") if host else accelerator.device  # where shards live

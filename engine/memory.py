@@ -109,9 +109,11 @@ def memory_report(engine) -> dict:
     """engine.memory_report(): measured and formula bytes per category for this rank.
 
     Returns {"rank", "stage", "world_size", "num_shards", "psi", "psi_padded", "measured",
-    "formula", "offloaded_bytes", "paper_formula", "zero_formula", "gradient_bytes"}; bytes are
-    per rank; gradient_bytes is 4 (fp32) or 2 (data_types.grad_accum_dtype bf16/fp16). Not a
-    collective.
+    "formula", "offloaded_bytes", "nvme_bytes", "paper_formula", "zero_formula",
+    "gradient_bytes"}; bytes are per rank; gradient_bytes is 4 (fp32) or 2
+    (data_types.grad_accum_dtype bf16/fp16). "measured" counts memory only: what lives in nvme
+    files (ZeRO-Infinity) is 0 there and counted in nvme_bytes, {"params": parameter shards,
+    "optimizer": fp32 masters and optimizer state}, bytes on disk. Not a collective.
     """
     opt = engine.optimizer
     layout = opt.layout
@@ -138,6 +140,7 @@ def memory_report(engine) -> dict:
         "measured": measured,
         "formula": model_state_formula(spec),
         "offloaded_bytes": offloaded_bytes(measured) if spec.offload else 0,
+        "nvme_bytes": opt.nvme_bytes(),
         "paper_formula": paper,
         "zero_formula": ours,
         "gradient_bytes": grad_bytes,
@@ -161,6 +164,12 @@ def format_report(report: dict) -> str:
     lines.append(f"{'total model states':<32}{total:>16,}{want_total:>16,}{total / 2**20:>10.2f}")
     if report["offloaded_bytes"]:
         lines.append(f"of which in host memory (offload): {report['offloaded_bytes']:,} B")
+    on_disk = report.get("nvme_bytes") or {}
+    if any(on_disk.values()):
+        lines.append(
+            f"on nvme (files, not in memory): parameter shards {on_disk['params']:,} B, "
+            f"fp32 masters + optimizer state {on_disk['optimizer']:,} B"
+        )
     width = report["gradient_bytes"]
     accum = "fp32" if width == 4 else "2-byte"
     lines.append(

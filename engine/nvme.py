@@ -116,12 +116,17 @@ class OptimizerOffload:
 
 def sub_group_bucket_numel(config, num_shards: int) -> int:
     """The layout's bucket size in elements: reduce_bucket_size, capped with nvme so that each
-    rank's shard of a bucket (one sub-group) holds at most sub_group_size elements."""
+    rank's shard of a bucket (one sub-group) holds at most sub_group_size elements, and with
+    offload_param nvme at most offload_param.buffer_size elements."""
     zero_cfg = config.zero
+    numel = zero_cfg.reduce_bucket_size
     block = zero_cfg.offload_optimizer
-    if block is None or block.device != "nvme":
-        return zero_cfg.reduce_bucket_size
-    return min(zero_cfg.reduce_bucket_size, zero_cfg.sub_group_size * num_shards)
+    if block is not None and block.device == "nvme":
+        numel = min(numel, zero_cfg.sub_group_size * num_shards)
+    param = zero_cfg.offload_param  # stage-3 shards on nvme: each fits one buffer_size buffer
+    if param is not None and param.device == "nvme":
+        numel = min(numel, param.buffer_size * num_shards)
+    return numel
 
 
 # ----- checks before anything is allocated ------------------------------------------------
@@ -248,8 +253,9 @@ def _close_live() -> None:
 
 
 class SwapStore:
-    """The files of one rank's run: one per (bucket index, kind) of `numel` fp32 elements,
-    read and written with zero.ops.aio (asynchronous; Request.wait() finishes one)."""
+    """The files of one rank's run: one per (bucket index, kind), read and written with
+    zero.ops.aio (asynchronous; Request.wait() finishes one). policy: any object with
+    nvme_path, pin_memory, block_size, queue_depth, threads (OptimizerOffload, ParamOffload)."""
 
     def __init__(self, policy: OptimizerOffload, rank: int):
         from zero.ops.aio import AsyncFileIO
@@ -502,7 +508,11 @@ class PartialOffload:
         optimizer = zopt.optimizer
         if not hasattr(optimizer, "step_with_copy") or zopt.compute_dtype == torch.float32:
             return {}
-        return {b.master: b.param_shard for b in buckets if b.param_shard.device.type == "cpu"}
+        return {
+            b.master: b.param_shard
+            for b in buckets
+            if b.param_shard.device.type == "cpu" and not zopt.param_swapped(b)
+        }
 
     def _step_host(self, zopt, pairs) -> set[int]:
         for bucket, grad in pairs:
@@ -551,7 +561,8 @@ class PartialOffload:
                 else:
                     optimizer.step()
             if not fused:
-                bucket.param_shard.copy_(bucket.master)
+                with zopt.param_resident(bucket, write=True, read=False):
+                    bucket.param_shard.copy_(bucket.master)
             self._write_back(bucket, slot, optimizer)
         finally:
             self._unbind(bucket, optimizer)

@@ -174,6 +174,8 @@ class ParamGatherer:
         self._launched: list[tuple] = []  # this micro-batch's batches of all-gathers
         self._last_launched: list[tuple] = []  # the last micro-batch's ([Note: predicted...])
         self.on_unit_done = None  # callback(unit): its backward is complete on this rank
+        self.param_swap = None  # zero.param_swap.ParamSwap: shards in nvme files
+        self._read_cursor = {"forward": 0, "backward": 0}
 
     @contextlib.contextmanager
     def _own_ops(self):
@@ -308,6 +310,8 @@ class ParamGatherer:
             for upcoming in launch:
                 self._start_gather(upcoming)
                 upcoming.check = pending
+        if direction is not None and self.param_swap is not None:
+            self._read_ahead(unit, direction)
         if unit.state is UnitState.GATHERING:
             if unit.check is not None:
                 unit.check.finish()  # before using (or waiting for) what was gathered
@@ -319,7 +323,29 @@ class ParamGatherer:
                     except RuntimeError as error:
                         what = f"the all-gather of unit '{unit.name}'"
                         raise collective_failure(self.comm.rank, what, error) from error
+                    if self.param_swap is not None:
+                        self.param_swap.release(bucket)  # the all-gather has read the shard
             unit.state = UnitState.GATHERED
+
+    def _read_ahead(self, unit: Unit, direction: str) -> None:
+        """Start reading from nvme the parameter shards of the units that followed `unit`
+        last time (preceded it, in backward), into free buffers, in that order ([Note:
+        parameter shards on nvme] in engine/param_swap.py). Local: no collective."""
+        order = self._order if direction == "forward" else self._order[::-1]
+        try:
+            position = order.index(unit.index, self._read_cursor[direction])
+        except ValueError:
+            return
+        self._read_cursor[direction] = position + 1
+        for index in order[position + 1 :]:
+            upcoming = self.units[index]
+            if upcoming.state is not UnitState.SHARDED:
+                continue
+            if direction == "backward" and not upcoming.backward:
+                continue
+            for bucket in upcoming.buckets:
+                if not self.param_swap.start_read(bucket):
+                    return  # no free buffer
 
     def _agree_on(self, indices: tuple):
         """Check a batch of all-gathers across ranks. [Note: predicted batches] A batch equal
@@ -350,6 +376,8 @@ class ParamGatherer:
         """All-gather the bucket into a fresh buffer on the device; an offloaded (host) shard is
         copied there first (asynchronously when pinned)."""
         shard = bucket.param_shard
+        if self.param_swap is not None and self.param_swap.swapped(bucket):
+            shard = self.param_swap.acquire(bucket)  # released when the all-gather finished
         if shard.device != self.device:
             shard = shard.to(self.device, non_blocking=shard.is_pinned())
         buffer = torch.empty(
@@ -542,6 +570,9 @@ class ParamGatherer:
         if self._trace:
             self._order, self._trace = self._trace, []
         self._cursor = {"forward": 0, "backward": 0}
+        self._read_cursor = {"forward": 0, "backward": 0}
+        if self.param_swap is not None:
+            self.param_swap.drop_read_ahead()  # the step is about to change the shards
         self._last_launched, self._launched = self._launched, []
 
     def forget_writes(self) -> None:
@@ -620,11 +651,13 @@ class FrozenShards:
         dtype: torch.dtype,
         offload: bool = False,
         pin_memory: bool = False,
+        param_swap=None,
     ):
         from .flat import FlatLayout
         from .stages import bucket_values, host_copy
 
         self.comm = comm
+        self.param_swap = param_swap  # zero.param_swap.ParamSwap: shards in nvme files
         self.device = named[0][1].device  # the compute device, where gathering happens
         self.layout = FlatLayout([named], bucket_numel, comm.world_size, unit_of)
         by_name = dict(named)
@@ -637,7 +670,9 @@ class FrozenShards:
                 self._place[id(param)] = (bucket, slot)
             begin, end = layout.owned_range(comm.rank)
             bucket.param_shard = full[begin:end].clone()
-            if offload:  # zero_optimization.offload_param: the shard lives in host memory
+            if param_swap is not None:  # offload_param.device "nvme"
+                param_swap.adopt(bucket, bucket.param_shard)
+            elif offload:  # zero_optimization.offload_param: the shard lives in host memory
                 bucket.param_shard = host_copy(bucket.param_shard, pin_memory)
             self.buckets.append(bucket)
 
@@ -651,9 +686,12 @@ class FrozenShards:
         bucket at a time. Collective."""
         values = {}
         for bucket in self.buckets:
-            shard = bucket.param_shard.to(self.device)
-            full = torch.empty(bucket.layout.padded_numel, dtype=shard.dtype, device=self.device)
-            self.comm.all_gather(full, shard)
+            with self._resident(bucket):
+                shard = bucket.param_shard.to(self.device)
+                full = torch.empty(
+                    bucket.layout.padded_numel, dtype=shard.dtype, device=self.device
+                )
+                self.comm.all_gather(full, shard)
             if self.comm.rank == dst:
                 for slot, param in zip(bucket.layout.slots, bucket.params):
                     piece = full[slot.offset : slot.offset + slot.numel]
@@ -664,12 +702,18 @@ class FrozenShards:
         """Store the owned part of `value` (the full parameter) in this rank's shard."""
         bucket, slot = self._place[id(param)]
         begin, end = bucket.layout.owned_range(self.comm.rank)
-        flat = value.reshape(-1).to(bucket.param_shard.dtype)
         lo, hi = max(begin, slot.offset), min(end, slot.offset + slot.numel)
         if lo < hi:
-            bucket.param_shard[lo - begin : hi - begin].copy_(
-                flat[lo - slot.offset : hi - slot.offset]
-            )
+            with self._resident(bucket, write=True):
+                flat = value.reshape(-1).to(bucket.param_shard.dtype)
+                bucket.param_shard[lo - begin : hi - begin].copy_(
+                    flat[lo - slot.offset : hi - slot.offset]
+                )
+
+    def _resident(self, bucket, write: bool = False):
+        if self.param_swap is None:
+            return contextlib.nullcontext()
+        return self.param_swap.resident(bucket, write)
 
 
 class _FrozenBucket:

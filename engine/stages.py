@@ -127,6 +127,8 @@ class ReduceSettings:
     # nvme offload or a partial one (ratio < 1): a zero.nvme.OptimizerOffload, and `offload`
     # is False (engine/nvme.py places each bucket and runs the step).
     split: object | None = None
+    # stage 3 offload_param.device "nvme": a zero.param_swap.ParamOffload (engine/param_swap.py)
+    param_nvme: object | None = None
 
 
 class Bucket:
@@ -236,6 +238,11 @@ class ZeroOptimizer:
             from .nvme import PartialOffload
 
             self.offloader = PartialOffload(settings.split, layout, comm.rank)
+        self.param_swap = None  # stage 3 parameter shards on nvme: engine/param_swap.py
+        if settings.param_nvme is not None:
+            from .param_swap import ParamSwap
+
+            self.param_swap = ParamSwap(settings.param_nvme, comm.rank, compute_dtype)
         self.buckets = self._build_buckets(named_groups)
         # id(param) -> (bucket, index in bucket.params): zero.utils finds a parameter's shards
         self._place = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -282,7 +289,9 @@ class ZeroOptimizer:
         if self.settings.stage == 3:
             # Only the owned slice persists; the parameters are released by the gatherer.
             bucket.param_shard = full[begin:end].to(self.compute_dtype, copy=True)
-            if self.settings.offload_param:
+            if self.param_swap is not None:
+                self.param_swap.adopt(bucket, bucket.param_shard)
+            elif self.settings.offload_param:
                 bucket.param_shard = host_copy(bucket.param_shard, self.settings.pin_param)
         where = self._placement(bucket)
         if where == "nvme":
@@ -290,9 +299,9 @@ class ZeroOptimizer:
         elif where == "cpu":
             bucket.master = host_copy(full[begin:end], self.settings.pin_memory)
             bucket.host_grad = host_copy(torch.zeros(layout.shard_numel), self.settings.pin_memory)
-        elif self.compute_dtype == torch.float32:
+        elif self.compute_dtype == torch.float32 and not self.param_swapped(bucket):
             bucket.master = bucket.param_shard
-        else:
+        else:  # a separate fp32 copy (also for fp32 shards in files: the master stays here)
             bucket.master = full[begin:end].clone()
         del full
         accum_dtype = self.settings.accum_dtype
@@ -575,7 +584,8 @@ class ZeroOptimizer:
             return {}
         if any(b.param_shard.device.type != "cpu" for b in self.buckets):
             return {}
-        return {b.master: b.param_shard for b in self.buckets}
+        # Shards in nvme files are written by refresh_params, one buffer at a time.
+        return {b.master: b.param_shard for b in self.buckets if not self.param_swapped(b)}
 
     def _global_norm(self, shards) -> float:
         """L2 norm over all owned gradient elements of all ranks: the ranks' sums of squares are
@@ -616,7 +626,8 @@ class ZeroOptimizer:
             skip_copy = set(skip_copy) | self.offloader.swapped_masters(self.buckets)
         for bucket in self.buckets:
             if bucket.master is not bucket.param_shard and id(bucket.master) not in skip_copy:
-                bucket.param_shard.copy_(bucket.master, non_blocking=bucket.master.is_pinned())
+                with self.param_resident(bucket, write=True, read=False):
+                    bucket.param_shard.copy_(bucket.master, non_blocking=bucket.master.is_pinned())
             if self.layout.num_shards == 1 or self.settings.stage == 3:
                 continue  # stage 3 gathers parameters when a unit runs
             numel = bucket.layout.padded_numel
@@ -630,6 +641,8 @@ class ZeroOptimizer:
             in_flight += numel
         for handle, _ in pending:
             handle.wait()
+        if self.param_swap is not None:
+            self.param_swap.flush()  # every shard is in its file before step() returns
         if self.gatherer is not None:
             self.gatherer.refresh_persistent()
 
@@ -683,19 +696,45 @@ class ZeroOptimizer:
                     state += value.numel() * value.element_size()
         return {"params": param, "grads": grad, "master": master, "optimizer_state": state}
 
-    def resident(self, bucket: Bucket, write: bool = False):
-        """Context manager: inside, bucket.master and its optimizer state are real tensors even
-        when they live in nvme files (engine/nvme.py); with `write`, changes made inside are
-        written back and copied into the parameter shard. Checkpoints and zero.utils read and
-        write the fp32 state through it. Not a collective."""
-        if self.offloader is None:
+    @contextlib.contextmanager
+    def resident(self, bucket, write: bool = False):
+        """Context manager for any laid-out bucket (trainable, or stage-3 frozen): inside,
+        bucket.param_shard, bucket.master and the master's optimizer state are real tensors even
+        when they live in nvme files (engine/param_swap.py, engine/nvme.py); with `write`,
+        changes made inside are written back (and an nvme master is copied into the parameter
+        shard). Every reader of those tensors outside the step goes through it: checkpoints,
+        zero.utils, GatheredParameters, Hugging Face import and export. Not a collective."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.param_resident(bucket, write))
+            if self.offloader is not None and bucket.master is not None:
+                stack.enter_context(self.offloader.resident(bucket, self.optimizer, write))
+            yield
+
+    def param_resident(self, bucket, write: bool = False, read: bool = True):
+        """Context manager: bucket.param_shard holds its value inside (read=False: the caller
+        overwrites all of it); see ParamSwap.resident."""
+        if self.param_swap is None:
             return contextlib.nullcontext()
-        return self.offloader.resident(bucket, self.optimizer, write)
+        return self.param_swap.resident(bucket, write, read)
+
+    def param_swapped(self, bucket) -> bool:
+        """True when the bucket's parameter shard lives in an nvme file."""
+        return self.param_swap is not None and self.param_swap.swapped(bucket)
+
+    def nvme_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's swap files: {"params": parameter shards, "optimizer": fp32
+        masters and optimizer state}; on disk, not in memory (model_state_bytes excludes them)."""
+        return {
+            "params": 0 if self.param_swap is None else self.param_swap.bytes_on_disk,
+            "optimizer": 0 if self.offloader is None else self.offloader.bytes_on_disk,
+        }
 
     def close(self) -> None:
         """Release what outlives the process otherwise: nvme swap files (idempotent)."""
         if self.offloader is not None:
             self.offloader.close()
+        if self.param_swap is not None:
+            self.param_swap.close()
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.scaler.state_dict()}

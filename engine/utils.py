@@ -292,7 +292,8 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     ValueError for a frozen parameter or one no engine trains.
     """
     target = _target(param, "safe_get_full_fp32_param")
-    return _full(target, target.bucket.master, "safe_get_full_fp32_param")
+    with target.optimizer.resident(target.bucket):  # nvme: read from its file
+        return _full(target, target.bucket.master, "safe_get_full_fp32_param")
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor:
@@ -323,10 +324,11 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     """
     caller = "safe_get_full_optimizer_state"
     target = _target(param, caller)
-    value = _state(target, optim_state_key, caller)
-    if not _is_sharded(target, value):
-        return _as_is(value)
-    return _full(target, value, "safe_get_full_optimizer_state", optim_state_key)
+    with target.optimizer.resident(target.bucket):
+        value = _state(target, optim_state_key, caller)
+        if not _is_sharded(target, value):
+            return _as_is(value)
+        return _full(target, value, "safe_get_full_optimizer_state", optim_state_key)
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -346,7 +348,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     flat = _full_value(target, value, caller)
     _enter(target, _SET, caller, "", flat)
     shard_part, param_part = _owned(target)
-    with torch.no_grad():
+    with torch.no_grad(), target.optimizer.resident(target.bucket, write=True):
         target.bucket.master[shard_part].copy_(flat[param_part])
         _write_params(target, flat[param_part], flat)
 
@@ -365,11 +367,12 @@ def safe_set_full_optimizer_state(
     """
     caller = "safe_set_full_optimizer_state"
     target = _target(param, caller)
-    state = _writable_state(target, optim_state_key, caller)
+    _writable_state(target, optim_state_key, caller)
     flat = _full_value(target, value, caller)
     _enter(target, _SET, caller, optim_state_key, flat)
     shard_part, param_part = _owned(target)
-    with torch.no_grad():
+    with torch.no_grad(), target.optimizer.resident(target.bucket, write=True):
+        state = _writable_state(target, optim_state_key, caller)
         state[shard_part].copy_(flat[param_part])
 
 
@@ -391,7 +394,8 @@ def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     flattened parameter. Not a collective. DeepSpeed's deepspeed.utils.safe_get_local_fp32_param.
     Raises ValueError for a frozen parameter or one no engine trains."""
     target = _target(param, "safe_get_local_fp32_param")
-    return _local(target, target.bucket.master)
+    with target.optimizer.resident(target.bucket):
+        return _local(target, target.bucket.master)
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor:
@@ -410,8 +414,9 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
     deepspeed.utils.safe_get_local_optimizer_state."""
     caller = "safe_get_local_optimizer_state"
     target = _target(param, caller)
-    value = _state(target, optim_state_key, caller)
-    return _local(target, value) if _is_sharded(target, value) else _as_is(value)
+    with target.optimizer.resident(target.bucket):
+        value = _state(target, optim_state_key, caller)
+        return _local(target, value) if _is_sharded(target, value) else _as_is(value)
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -431,7 +436,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     caller = "safe_set_local_fp32_param"
     target = _target(param, caller)
     owned = _local_value(target, value, caller)
-    with torch.no_grad():
+    with torch.no_grad(), target.optimizer.resident(target.bucket, write=True):
         target.bucket.master[_owned(target)[0]].copy_(owned)
         _write_params(target, owned, None)
 
@@ -446,7 +451,8 @@ def safe_set_local_optimizer_state(
     one no engine trains."""
     caller = "safe_set_local_optimizer_state"
     target = _target(param, caller)
-    state = _writable_state(target, optim_state_key, caller)
+    _writable_state(target, optim_state_key, caller)
     owned = _local_value(target, value, caller)
-    with torch.no_grad():
+    with torch.no_grad(), target.optimizer.resident(target.bucket, write=True):
+        state = _writable_state(target, optim_state_key, caller)
         state[_owned(target)[0]].copy_(owned)

@@ -210,6 +210,16 @@ def test_bad_nvme_path_is_an_error_naming_the_key(tmp_path, monkeypatch):
     assert swap_dirs(tmp_path) == []
 
 
+def test_bad_param_nvme_path_or_buffer_size_is_an_error_naming_the_key(tmp_path):
+    key = r"zero_optimization\.offload_param"
+    missing = param_config(1, str(tmp_path / "missing"))
+    _refused(missing, f"{key}\\.nvme_path.*does not exist")
+    small = param_config(1, str(tmp_path))
+    small["zero_optimization"]["offload_param"]["buffer_size"] = 8  # embed: 66, one rank
+    _refused(small, f"{key}\\.buffer_size.*at least 66")
+    assert swap_dirs(tmp_path) == []
+
+
 # ----- a kill during a step ------------------------------------------------------------------
 KILLED_RUN = """
 import os, signal, sys
@@ -271,3 +281,178 @@ def test_estimator_recommends_nvme_with_a_ratio_when_nothing_else_fits(tmp_path,
     half = next(r for r in rows if r.stage == 3 and r.device == "nvme")
     # Half of the fp32 master + Adam moments (12 bytes per element) left the device for files.
     assert full.model_states - half.model_states == half.per_nvme == 6 * 4 * 10**9
+
+
+# ----- parameter shards on nvme (offload_param.device "nvme", stage 3) -----------------------
+def param_config(gas, root, opt_offload=None, prefetch=0, max_in_cpu=0, param=True):
+    cfg = config(3, gas, opt_offload)
+    zero_cfg = cfg["zero_optimization"]
+    zero_cfg["stage3_prefetch_bucket_size"] = prefetch
+    zero_cfg["stage3_param_persistence_threshold"] = 0  # one unit per module: read ahead
+    zero_cfg["stage3_gather_16bit_weights_on_model_save"] = True  # state_dict() gathers
+    if param:
+        zero_cfg["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": root,
+            "buffer_count": 2,
+            "buffer_size": 128,
+            "max_in_cpu": max_in_cpu,
+        }
+    return cfg
+
+
+def eval_loss(engine, step):
+    """A forward without backward (no_grad), on the next step's first micro-batch."""
+    x, y, use_extra = batches(engine.world_size, 1, steps=STEPS + 1, same_modules=True)[step][0][
+        engine.rank
+    ]
+    with torch.no_grad():
+        return float(engine(x, y, use_extra=use_extra))
+
+
+def param_run(root, cfg, gas):
+    engine = make_engine(cfg)
+    swap = engine.optimizer.param_swap
+    data = batches(engine.world_size, gas, steps=STEPS, same_modules=True)
+    history = []
+    for step in data:
+        for micro in step:
+            x, y, use_extra = micro[engine.rank]
+            engine.backward(engine(x, y, use_extra=use_extra))
+            engine.step()
+        history.append((params_of(engine), eval_loss(engine, len(history) + 1)))
+    state = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
+    stats = None
+    if swap is not None:
+        hits = swap.ahead_hits + engine.gatherer.prefetch_hits
+        stats = (len(swap.shards), hits, swap.bytes_on_disk, engine.memory_report())
+    engine.close()
+    left = [d for d in swap_dirs(root) if d.endswith(f"rank{engine.rank}")]
+    return history, state, stats, left
+
+
+def param_sweep(root):
+    swap = f"{root}/swap"
+    os.makedirs(swap, exist_ok=True)
+    opt_nvme = {"device": "nvme", "nvme_path": swap, "buffer_count": 2}
+    out = {}
+    for gas in (1, 2):
+        out[(gas, "ref")] = param_run(swap, param_config(gas, swap, param=False), gas)
+        for prefetch, opt in itertools.product((0, 60), (None, opt_nvme)):
+            cfg = param_config(gas, swap, opt, prefetch)
+            out[(gas, prefetch, opt is not None)] = param_run(swap, cfg, gas)
+    # the first shards stay in host memory (max_in_cpu elements), the rest in files
+    out[(1, "max_in_cpu")] = param_run(swap, param_config(1, swap, max_in_cpu=40), 1)
+    return out
+
+
+def test_param_nvme_matches_no_offload_after_every_step(tmp_path):
+    results = run_ranks(param_sweep, 2, str(tmp_path))
+    for rank_results in results:
+        for case, (history, state, stats, left) in rank_results.items():
+            assert left == [], case
+            ref_history, ref_state, _, _ = rank_results[(case[0], "ref")]
+            for step, ((a_params, a_loss), (b_params, b_loss)) in enumerate(
+                zip(ref_history, history)
+            ):
+                assert abs(a_loss - b_loss) <= 1e-6, (case, step)
+                for a, b in zip(a_params, b_params):
+                    assert torch.allclose(a, b, rtol=0, atol=1e-6), (case, step)
+            for name, value in ref_state.items():
+                assert torch.allclose(value, state[name], rtol=0, atol=1e-6), (case, name)
+            if case[1] == "ref":
+                continue
+            shards, hits, on_disk, report = stats
+            # shards are read ahead of use: read ahead (prefetch off) or prefetched gathers
+            assert shards > 0 and hits > 0 and on_disk > 0, case
+            assert report["nvme_bytes"]["params"] == on_disk, case
+
+
+def api_run(root, cfg, tag):
+    """Every reader and writer of masters, optimizer state and parameter shards outside the
+    step: zero.utils getters and setters, GatheredParameters(modifier_rank=0) on a trained and a
+    frozen weight, memory_report, save/load_checkpoint, save_pretrained/load_pretrained."""
+    from zero import utils
+
+    engine = make_engine(cfg)
+    model = engine.module
+    data = batches(engine.world_size, 1, steps=STEPS, same_modules=True)
+
+    def step(i):
+        x, y, use_extra = data[i][0][engine.rank]
+        engine.backward(engine(x, y, use_extra=use_extra))
+        engine.step()
+
+    step(0)
+    step(1)
+    got = {
+        "full": [utils.safe_get_full_fp32_param(p) for p in (model.proj.weight, model.out.weight)]
+    }
+    got["m"] = utils.safe_get_full_optimizer_state(model.proj.weight, "exp_avg")
+    got["local"] = utils.safe_get_local_fp32_param(model.out.weight)
+    got["v_local"] = utils.safe_get_local_optimizer_state(model.out.weight, "exp_avg_sq")
+    utils.safe_set_full_fp32_param(model.proj.weight, torch.full((7, 6), 0.1))
+    utils.safe_set_full_optimizer_state(model.proj.weight, torch.zeros(7, 6), "exp_avg")
+    utils.safe_set_local_fp32_param(model.out.weight, got["local"] * 2)
+    utils.safe_set_local_optimizer_state(model.out.weight, got["v_local"] * 0.5, "exp_avg_sq")
+    with zero.GatheredParameters([model.embed.weight, model.frozen.weight], modifier_rank=0):
+        if engine.rank == 0:
+            with torch.no_grad():
+                model.embed.weight[3].zero_()
+                model.frozen.weight.mul_(0.5)
+    got["after_set"] = params_of(engine)
+    got["report"] = engine.memory_report()
+    engine.save_checkpoint(f"{root}/ckpt", tag=tag)
+    engine.save_pretrained(f"{root}/hf-{tag}")
+    step(2)
+    got["trained"] = params_of(engine)
+    engine.close()
+    loaded = {}
+    for source in (tag, "ref"):  # its own checkpoint, and the run without offload's
+        engine = make_engine(cfg)
+        engine.load_checkpoint(f"{root}/ckpt", tag=source)
+        step(2)
+        loaded[source] = params_of(engine)
+        engine.close()
+    got["resumed"] = loaded
+    engine = make_engine(cfg)
+    zero.load_pretrained(engine, f"{root}/hf-{tag}")
+    got["pretrained"] = params_of(engine)
+    engine.close()
+    return got
+
+
+def api_sweep(root):
+    swap = f"{root}/swap"
+    os.makedirs(swap, exist_ok=True)
+    opt_nvme = {"device": "nvme", "nvme_path": swap, "buffer_count": 2}
+    out = {"ref": api_run(root, param_config(1, swap, param=False), "ref")}
+    out["nvme"] = api_run(root, param_config(1, swap, opt_nvme), "nvme")
+    rank = os.environ["RANK"]
+    out["left"] = [d for d in swap_dirs(swap) if d.endswith(f"rank{rank}")]
+    return out
+
+
+def _close(a, b, what):
+    if isinstance(a, (list, tuple)):
+        for x, y in zip(a, b):
+            _close(x, y, what)
+        return
+    assert torch.allclose(a.float(), b.float(), rtol=0, atol=1e-6), what
+
+
+def test_every_reader_sees_nvme_values(tmp_path):
+    barrier = run_ranks(api_sweep, 2, str(tmp_path))
+    for results in barrier:
+        assert results["left"] == []
+        ref, got = results["ref"], results["nvme"]
+        for key in ("full", "m", "local", "v_local", "after_set", "trained"):
+            _close(ref[key], got[key], key)
+        for source in ("nvme", "ref"):
+            _close(ref["resumed"]["ref"], got["resumed"][source], source)
+        _close(ref["after_set"], got["pretrained"], "pretrained")
+        measured, on_disk = got["report"]["measured"], got["report"]["nvme_bytes"]
+        assert measured["master"] == measured["optimizer_state"] == 0
+        assert measured["params"] < ref["report"]["measured"]["params"]
+        assert on_disk["params"] > 0 and on_disk["optimizer"] > 0
+        assert ref["report"]["nvme_bytes"] == {"params": 0, "optimizer": 0}

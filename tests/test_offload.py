@@ -152,25 +152,6 @@ def test_optimizer_with_construction_state_and_shape_dependent_rejection():
         raise AssertionError("Adafactor was accepted")
 
 
-def test_nvme_param_offload_is_refused_naming_the_key(tmp_path):
-    # offload_optimizer nvme runs (tests/test_nvme.py); parameter shards on nvme do not yet.
-    for key in ("offload_param",):
-        cfg = {
-            "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
-            "zero_optimization": {
-                "stage": 3,
-                key: {"device": "nvme", "nvme_path": str(tmp_path)},
-            },
-        }
-        try:
-            zero.initialize(model=Tiny(), config=cfg)
-        except NotImplementedError as error:
-            assert f"zero_optimization.{key}.device 'nvme'" in str(error)
-        else:
-            raise AssertionError(f"{key} nvme was accepted")
-
-
 def test_offload_builds_the_host_adam_over_a_model_not_in_fp32_on_the_host():
     """The config's Adam becomes CPUAdam over the model's parameters as they are: bf16 here, on
     the GPU after model.cuda() in a GPU job. It steps fp32 host master shards only, so building
