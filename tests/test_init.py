@@ -197,7 +197,8 @@ def sweep():
             with torch.no_grad():
                 model.pos[0].fill_(5.0)
     out["modified"] = (model.pos.numel(), gather_full(model.pos)[0].tolist())
-    # a config zero cannot run is refused before anything is built
+    # parameter offload to nvme: zero.Init builds (its shards stay in host memory until
+    # initialize places them in files)
     nvme = config(3)
     nvme["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/tmp"}
     try:
@@ -237,7 +238,7 @@ def test_values_equal_an_ordinary_construction_on_rank_0(per_rank):
         assert res["decorated"] == (True, 12)
         assert res["gathered_read"]
         assert res["modified"] == (0, [5.0] * DIM)
-        assert "offload_param.device 'nvme'" in res["nvme"]
+        assert res["nvme"] is None  # zero.Init keeps shards on the host under nvme offload
         assert res["nested"] == 3 * DIM * DIM and res["nested_after"] == 0
         assert res["requires_grad"].count(False) == 2  # the frozen layer
 
