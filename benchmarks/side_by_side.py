@@ -134,9 +134,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----- building the systems ---------------------------------------------------------------------
-def build_zero(args, stage: int, params: dict) -> System:
+def build_zero(args, stage: int, params: dict, offload: bool = False) -> System:
+    """offload: optimizer state and step on the host (offload_optimizer cpu; stages 1-3)."""
     config = zero_config(args, stage, args.dtype, params)
-    engine, _, _, _ = zero.initialize(model=build_model(args), config=config)
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    # largest_model.py builds stage 3 partitioned (zero.Init): the full model never exists.
+    with zero.Init(config=config, enabled=stage == 3 and getattr(args, "partitioned_init", False)):
+        model = build_model(args)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
 
     def step(x, y):
         loss = engine(x, y)
@@ -144,7 +150,7 @@ def build_zero(args, stage: int, params: dict) -> System:
         engine.step()
         return loss.detach()
 
-    return System(f"zero{stage}", step, engine)
+    return System(f"zero{stage}" + ("_offload" if offload else ""), step, engine)
 
 
 def build_deepspeed(args, stage: int, params: dict) -> System:
@@ -153,11 +159,12 @@ def build_deepspeed(args, stage: int, params: dict) -> System:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
-    model = build_model(args)
+    config = zero_config(args, stage, args.dtype, params)
+    partitioned = stage == 3 and getattr(args, "partitioned_init", False)
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=partitioned):
+        model = build_model(args)
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=model.parameters(),
-        config=zero_config(args, stage, args.dtype, params),
+        model=model, model_parameters=model.parameters(), config=config
     )
 
     def step(x, y):
@@ -170,8 +177,9 @@ def build_deepspeed(args, stage: int, params: dict) -> System:
 
 
 def build_one(args, name: str, params: dict, device) -> System:
+    """The system called `name` (SYSTEMS, or zero<s>_offload) on `device`."""
     if name.startswith("zero"):
-        return build_zero(args, int(name[-1]), params)
+        return build_zero(args, int(name[4]), params, offload=name.endswith("_offload"))
     if name.startswith("ds"):
         return build_deepspeed(args, int(name[-1]), params)
     if name == "ddp":
@@ -243,7 +251,7 @@ def paper_figures(args, systems: dict[str, System]) -> dict:
     for name, system in systems.items():
         if system.engine is None:
             continue
-        stage = int(name[-1])
+        stage = int(name[4])
         comm = system.engine.comm_stats()
         state = system.engine.model_state_bytes()
         per_psi, formula_name = formula(stage, args.dtype, args.world_size)
