@@ -107,11 +107,14 @@ def make_batches(args, rank: int, count: int, device=None) -> list[tuple[torch.T
 def zero_config(args, stage: int, dtype: str, optimizer_params: dict | None = None) -> dict:
     """The zero (and DeepSpeed) config of one contestant. Bucket sizes come from
     args.reduce_bucket_size / args.allgather_bucket_size where those exist and are not None
-    (elements), else the engine's defaults apply."""
+    (elements), else the engine's defaults apply; stage 3 adds args.stage3_overrides (a dict of
+    zero_optimization keys) where it exists."""
     zc = {"stage": stage, "overlap_comm": True}
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if getattr(args, key, None) is not None:
             zc[key] = getattr(args, key)
+    if stage == 3:
+        zc.update(getattr(args, "stage3_overrides", None) or {})
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,

@@ -25,6 +25,8 @@ figure here: the row shows what the cap sees.
 """
 
 import argparse
+import gc
+import json
 import multiprocessing
 import os
 import queue as queue_module
@@ -72,6 +74,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--precision", type=float, default=0.05, help="stop when the bracket is this fraction"
     )
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--reduce_bucket_size",
+        type=int,
+        default=None,
+        help="elements per gradient bucket for zero and DeepSpeed (default: each one's own)",
+    )
+    parser.add_argument(
+        "--thread_stack_kib",
+        type=int,
+        default=1024,
+        help="RLIMIT_STACK of the ranks, hence their threads' stack size (0: inherit)",
+    )
+    parser.add_argument(
+        "--malloc_mmap_threshold",
+        type=int,
+        default=65536,
+        help="glibc MALLOC_MMAP_THRESHOLD_ of the ranks in bytes (0: glibc's adaptive default)",
+    )
+    parser.add_argument(
+        "--stage3_overrides",
+        type=json.loads,
+        default={},
+        help="JSON object of zero_optimization keys for the stage 3 rows of zero and DeepSpeed, "
+        'e.g. \'{"stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 1000000}\'',
+    )
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(args.systems) - set(SYSTEMS))
@@ -94,9 +121,10 @@ def num_params(n_layer: int, n_embd: int, block_size: int) -> int:
 
 
 # ----- one trial, in fresh processes ------------------------------------------------------------
-def vm_data_bytes() -> int:
+def status_bytes(key: str) -> int:
+    """A /proc/self/status entry (VmData, VmHWM, ...) in bytes."""
     status = Path("/proc/self/status").read_text()
-    return int(re.search(r"^VmData:\s+(\d+) kB", status, re.M).group(1)) * 1024
+    return int(re.search(rf"^{key}:\s+(\d+) kB", status, re.M).group(1)) * 1024
 
 
 def trial_rank(rank: int, world_size: int, port: int, spec: dict, results) -> None:
@@ -126,19 +154,30 @@ def trial_rank(rank: int, world_size: int, port: int, spec: dict, results) -> No
     args = argparse.Namespace(**spec["args"])
     _, params = resolve_optimizer("AdamW", {"lr": 1e-4})
     batches = make_batches(args, rank, args.steps)
-    baseline = vm_data_bytes()
+    # One step of a 1 x 64 model of the same system first: the threads, kernels, op libraries
+    # and caches that any first step creates then belong to the baseline, not to M.
+    tiny = argparse.Namespace(**{**spec["args"], "n_layer": 1, "n_embd": 64})
+    warm = build_one(tiny, spec["system"], params, torch.device("cpu"))
+    warm.step(*make_batches(tiny, rank, 1)[0])
+    del warm
+    gc.collect()
+    baseline = status_bytes("VmData")
     results.put((rank, "started", baseline))  # the queue's feeder thread exists before the cap
     resource.setrlimit(resource.RLIMIT_DATA, (baseline + spec["cap"], resource.RLIM_INFINITY))
+    phase = "build"
     try:
         system = build_one(args, spec["system"], params, torch.device("cpu"))
-        for x, y in batches:
+        for i, (x, y) in enumerate(batches):
+            phase = f"step {i + 1}"
             system.step(x, y)
         dist.barrier()
-        results.put((rank, "ok", baseline))
+        results.put((rank, "ok", (baseline, status_bytes("VmHWM"))))
     except BaseException as exc:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         kind = "oom" if any(m in text for m in OOM_MARKERS) else "error"
-        results.put((rank, kind, text[-300:]))
+        where = traceback.extract_tb(exc.__traceback__)[-2:]
+        frames = "; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in where)
+        results.put((rank, kind, f"in {phase} ({frames}): {text[-200:]}"))
         results.close()
         results.join_thread()
         # A peer may be waiting in a collective: leave without the process group's teardown.
@@ -146,8 +185,8 @@ def trial_rank(rank: int, world_size: int, port: int, spec: dict, results) -> No
     dist.destroy_process_group()
 
 
-def run_trial(args, system: str, size: int) -> tuple[str, str | int]:
-    """("ok", baseline bytes of rank 0) or (failure kind, message) for one model size."""
+def run_trial(args, system: str, size: int) -> tuple[str, str | tuple[int, int]]:
+    """("ok", (VmData baseline, peak RSS) bytes of rank 0) or (failure kind, message)."""
     spec = {
         "system": system,
         "cap": args.cap_mib * 2**20,
@@ -158,10 +197,15 @@ def run_trial(args, system: str, size: int) -> tuple[str, str | int]:
             "micro_batch": args.micro_batch,
             "steps": args.steps,
             "dtype": "fp32",
-            "reduce_bucket_size": None,
+            "reduce_bucket_size": args.reduce_bucket_size,
             "partitioned_init": True,
+            "stage3_overrides": args.stage3_overrides,
         },
     }
+    if args.malloc_mmap_threshold:
+        # Freed tensors go back to the kernel at once (no heap high-water mark), so the cap
+        # sees live memory; the spawned ranks inherit this environment.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -169,8 +213,17 @@ def run_trial(args, system: str, size: int) -> tuple[str, str | int]:
         ctx.Process(target=trial_rank, args=(r, args.world_size, port, spec, results))
         for r in range(args.world_size)
     ]
-    for p in procs:
-        p.start()
+    # glibc sizes every thread's stack from RLIMIT_STACK at process start (8 MiB by default),
+    # and a stack is private writable memory: the threads gloo and autograd start after the cap
+    # would take 8 MiB each of M. The ranks inherit a smaller limit.
+    stack = resource.getrlimit(resource.RLIMIT_STACK)
+    if args.thread_stack_kib:
+        resource.setrlimit(resource.RLIMIT_STACK, (args.thread_stack_kib * 1024, stack[1]))
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_STACK, stack)
     outcome, deadline, seen = None, time.monotonic() + args.timeout, {}
     while outcome is None and len(seen) < args.world_size:
         try:
@@ -221,7 +274,8 @@ def largest(args, system: str, log) -> tuple[int, dict]:
 
     def fits(size):
         trials[size] = run_trial(args, system, size)
-        log(f"  {system} size {size}: {trials[size][0]}")
+        kind, info = trials[size]
+        log(f"  {system} size {size}: {kind}" + ("" if kind == "ok" else f" ({info})"))
         return trials[size][0] == "ok"
 
     n, cap = args.world_size, args.cap_mib * 2**20
@@ -253,35 +307,42 @@ def main(argv=None) -> None:
         if skipped:
             print(f"skipped {','.join(skipped)}: deepspeed does not import ({exc})")
         args.systems = [s for s in args.systems if not s.startswith("ds")]
-    n, cap = args.world_size, args.cap_mib * 2**20
-    bound = n * cap / 16
     start = time.perf_counter()
     rows = []
     for system in args.systems:
-        size, trials = largest(args, system, lambda line: print(line, flush=True))
-        failures = sorted({kind for kind, _ in trials.values()} - {"ok"})
-        baseline = next((info for kind, info in trials.values() if kind == "ok"), None)
-        rows.append((system, size, failures, baseline, trials))
+        rows.append((system, *largest(args, system, lambda line: print(line, flush=True))))
+    report(args, rows, time.perf_counter() - start)
+
+
+def report(args, rows, seconds: float) -> None:
+    """The table: per system the largest size, its Psi against N M / 16 and against the
+    system's own fp32 formula, the rank-0 baseline and peak RSS, and why the next size failed."""
+    n, cap = args.world_size, args.cap_mib * 2**20
+    bound = n * cap / 16
     print(
         f"\ncap M = {args.cap_mib} MiB per rank over the baseline (RLIMIT_DATA), N = {n} gloo "
         f"ranks, fp32 AdamW, {args.steps} steps, micro-batch {args.micro_batch} x "
-        f"{args.block_size} tokens, search {args.search}; N M / 16 = {bound / 1e6:.1f}M params; "
-        f"load average {os.getloadavg()[0]:.2f}; {time.perf_counter() - start:.0f} s\n"
+        f"{args.block_size} tokens, search {args.search}, MALLOC_MMAP_THRESHOLD_="
+        f"{args.malloc_mmap_threshold or 'default'}, reduce_bucket_size "
+        f"{args.reduce_bucket_size or 'default'}, stage 3 overrides {args.stage3_overrides}; "
+        f"N M / 16 = {bound / 1e6:.1f}M params; load average {os.getloadavg()[0]:.2f}; "
+        f"{seconds:.0f} s\n"
     )
     print(
-        "| system | n_layer | n_embd | params | params / (N M / 16) | first failure "
-        "| baseline MiB |"
+        "| system | n_layer | n_embd | params | params / (N M / 16) | fp32 formula bytes / M "
+        "| baseline VmData MiB | peak RSS MiB | next size failed |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for system, size, failures, baseline, trials in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for system, size, trials in rows:
         dims = shape(args, size) if size else {"n_layer": 0, "n_embd": 0}
-        psi = num_params(dims["n_layer"], dims["n_embd"], args.block_size) if size else 0
-        failed = [info for kind, info in trials.values() if kind != "ok"]
-        why = (failures[0] + ": " + failed[0][:60].replace("|", "/")) if failed else "-"
-        base = f"{baseline / 2**20:.0f}" if baseline else "-"
+        psi = num_params(**dims, block_size=args.block_size) if size else 0
+        base, peak = trials[size][1] if size else (0, 0)
+        failed = sorted(k for k, (kind, _) in trials.items() if kind != "ok")
+        why = f"{failed[0]}: {trials[failed[0]][1][:90]}".replace("|", "/") if failed else "-"
         print(
-            f"| {system} | {dims['n_layer']} | {dims['n_embd']} | {psi:,} "
-            f"| {psi / bound:.3f} | {why} | {base} |"
+            f"| {system} | {dims['n_layer']} | {dims['n_embd']} | {psi:,} | {psi / bound:.3f} "
+            f"| {psi * bytes_per_param(system, n) / cap:.2f} | {base / 2**20:.0f} "
+            f"| {peak / 2**20:.0f} | {why} |"
         )
 
 
