@@ -1,27 +1,31 @@
 r"""The largest GPT each system trains under a per-rank memory cap M on N ranks.
 
-    python benchmarks/largest_model.py --cap_mib 600 --world_size 2 --search layers
+    python benchmarks/largest_model.py --cap_mib 600 --world_size 2 --precision 0.05
 
 For each system (zero stages 0-3, zero stage 3 with offload_optimizer cpu, FSDP2, and DeepSpeed
-stages 0-3 when deepspeed imports) it binary-searches the largest GPT of examples/gpt.py, scaling
+stages 0-3 when deepspeed imports) it searches the largest GPT of examples/gpt.py, scaling
 n_layer at a fixed --n_embd (--search layers) or the width at a fixed --n_layer (--search
-width, in steps of 64 = 16 heads' worth of 4), that completes --steps training steps (fp32,
-AdamW, clipping 1.0, micro-batch --micro_batch x --block_size tokens) on every rank. Each trial
-runs in --world_size fresh processes (gloo, one intra-op thread each).
+width, in steps of 64), that completes --steps training steps (fp32, AdamW, clipping 1.0,
+micro-batch --micro_batch x --block_size tokens) on every rank: from 0.7 of the system's own
+fp32 formula, by 1.5x steps until the outcome flips, then bisecting to --precision. Each trial
+runs in --world_size fresh processes (gloo, one intra-op thread each). Stage 3 builds under
+zero.Init / deepspeed.zero.Init; the others build the full model and wrap it.
 
 The cap: each rank imports torch, zero (and deepspeed for the ds rows), joins the process
-group, then reads its VmData (the private writable mappings Linux counts against RLIMIT_DATA)
-as the baseline and calls setrlimit(RLIMIT_DATA, baseline + M) before it builds the model. So M
-is what the model, its optimizer, gradients, buffers and activations may take, beyond the
-interpreter and libraries (the baseline is printed). RLIMIT_DATA holds for torch's allocator
-(an over-cap torch.empty raises "DefaultCPUAllocator: can't allocate memory") and counts
-allocated, not touched, memory: stricter than RSS.
+group and runs one step of a 1 x 64 model of the same system (threads, kernels, JIT ops and
+caches of a first step), then reads its VmData (the private writable mappings Linux counts
+against RLIMIT_DATA) as the baseline and calls setrlimit(RLIMIT_DATA, baseline + M) before it
+builds the model. So M is what the model, its optimizer, gradients, buffers and activations may
+take. RLIMIT_DATA holds for torch's allocator (an over-cap torch.empty raises
+"DefaultCPUAllocator: can't allocate memory") and counts allocated, not touched, memory. The
+ranks run with glibc MALLOC_MMAP_THRESHOLD_ (freed tensors return to the kernel at once) and a
+1 MiB RLIMIT_STACK (every thread's stack size; an 8 MiB stack per thread would count in M).
 
 Reported per system: the largest n_layer / n_embd, its parameter count Psi, and
 Psi / (N M / 16): the fraction of the paper's stage-3 bound (ZeRO, section 5: 16 bytes per
 parameter of model states with Adam, all partitioned over N ranks). On a CPU-only machine
 offload moves the optimizer state to the same process's host memory, so it cannot raise the
-figure here: the row shows what the cap sees.
+figure here: the row shows what the cap sees. Results and method: docs/performance.md.
 """
 
 import argparse
@@ -59,7 +63,7 @@ OOM_MARKERS = ("can't allocate memory", "bad_alloc", "Cannot allocate memory", "
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cap_mib", type=int, default=600, help="M: MiB per rank over baseline")
+    parser.add_argument("--cap_mib", type=int, default=300, help="M: MiB per rank over baseline")
     parser.add_argument("--world_size", type=int, default=2)
     parser.add_argument("--search", choices=("layers", "width"), default="layers")
     parser.add_argument("--n_layer", type=int, default=4, help="fixed depth for --search width")
@@ -71,14 +75,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_size", type=int, default=512, help="largest n_layer / width step")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per trial")
     parser.add_argument(
-        "--precision", type=float, default=0.05, help="stop when the bracket is this fraction"
+        "--precision", type=float, default=0.1, help="stop when the bracket is this fraction"
     )
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument(
         "--reduce_bucket_size",
         type=int,
-        default=None,
-        help="elements per gradient bucket for zero and DeepSpeed (default: each one's own)",
+        default=5_000_000,
+        help="elements per gradient bucket for zero and DeepSpeed; 0: each one's own default "
+        "(500M elements: DeepSpeed 1-2 then allocate a 2 GB bucket and fit nothing)",
     )
     parser.add_argument(
         "--thread_stack_kib",
@@ -197,7 +202,7 @@ def run_trial(args, system: str, size: int) -> tuple[str, str | tuple[int, int]]
             "micro_batch": args.micro_batch,
             "steps": args.steps,
             "dtype": "fp32",
-            "reduce_bucket_size": args.reduce_bucket_size,
+            "reduce_bucket_size": args.reduce_bucket_size or None,
             "partitioned_init": True,
             "stage3_overrides": args.stage3_overrides,
         },
@@ -324,7 +329,7 @@ def report(args, rows, seconds: float) -> None:
         f"ranks, fp32 AdamW, {args.steps} steps, micro-batch {args.micro_batch} x "
         f"{args.block_size} tokens, search {args.search}, MALLOC_MMAP_THRESHOLD_="
         f"{args.malloc_mmap_threshold or 'default'}, reduce_bucket_size "
-        f"{args.reduce_bucket_size or 'default'}, stage 3 overrides {args.stage3_overrides}; "
+        f"{args.reduce_bucket_size or 'each default'}, stage 3 overrides {args.stage3_overrides}; "
         f"N M / 16 = {bound / 1e6:.1f}M params; load average {os.getloadavg()[0]:.2f}; "
         f"{seconds:.0f} s\n"
     )
