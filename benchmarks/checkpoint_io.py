@@ -47,8 +47,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+from _common import free_port, init_rank  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from zero_vs_ddp import free_port, init_rank  # noqa: E402
 
 import zero  # noqa: E402
 from zero.checkpoint import consolidate, file_crc32, save_consolidated  # noqa: E402

@@ -6,7 +6,7 @@ For every model size (n_embd x n_layer of the GPT of examples/gpt.py, block_size
 4 heads) and ZeRO stage, the main job's config (configs/zero{stage}.json: fp32, micro-batch 16)
 and model construction (stage 3 under zero.Init, as examples/train.py does) trains --steps
 optimizer steps on random byte tokens in a fresh group of --world_size gloo ranks
-(torch.multiprocessing, zero_vs_ddp.init_rank: one intra-op thread per rank on 2 cores).
+(torch.multiprocessing, _common.init_rank: one intra-op thread per rank on 2 cores).
 
 Measured, per rank: the peak resident set (VmHWM, reset through /proc/self/clear_refs just before
 the first step) minus the resident set of the same process after importing torch (with
@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _common import free_port, init_rank  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from zero_vs_ddp import free_port, init_rank  # noqa: E402
 
 import zero  # noqa: E402
 import zero.api  # noqa: E402, F401  (pydantic and the engine: code, imported before the baseline)

@@ -52,7 +52,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from zero_vs_ddp import free_port, init_rank  # noqa: E402
+from _common import free_port, init_rank  # noqa: E402
 
 import zero  # noqa: E402
 import zero.hf  # noqa: E402, F401  (code, imported before the baseline)

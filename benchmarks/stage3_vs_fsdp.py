@@ -18,14 +18,13 @@ For stage 3 it reports communication elements per optimizer step / Psi (engine.c
 paper units), padding overhead, model-state bytes per rank beside the fp32 analogue of the
 paper's stage 3 formula (4 + 4 + 8) Psi / N, and the fetch units. Step times are medians over
 --steps steps after --warmup steps; the three contestants take turns one step each (helpers of
-benchmarks/zero_vs_ddp.py) and a barrier precedes every clock read. If fully_shard fails on
+benchmarks/_common.py) and a barrier precedes every clock read. If fully_shard fails on
 this torch / gloo / CPU, the exact error is printed and the FSDP2 row is skipped. A measurement
 script, not a test: nothing asserts on time.
 """
 
 import argparse
 import gc
-import inspect
 import sys
 import traceback
 from pathlib import Path
@@ -36,9 +35,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zero_vs_ddp import (  # noqa: E402
+from _common import (  # noqa: E402
     CLIP,
     available_cores,
+    build_fsdp2,
     build_model,
     free_port,
     init_rank,
@@ -100,41 +100,6 @@ def build_zero(args, stage: int):
     return engine, step
 
 
-def build_fsdp2(args, hyper: dict):
-    """FSDP2 with default settings (reshard_after_forward for the blocks, fp32), AdamW with
-    zero's resolved hyper-parameters, clip_grad_norm_(CLIP)."""
-    from torch.distributed.fsdp import fully_shard
-
-    model = build_model(args)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    accepted = inspect.signature(torch.optim.AdamW).parameters
-    kwargs = {k: v for k, v in hyper.items() if k in accepted and k != "params"}
-    optimizer = torch.optim.AdamW(model.parameters(), **kwargs)
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def state_bytes() -> int:
-        """Local shard bytes of parameters, gradients (after backward) and AdamW state."""
-        total = 0
-        for p in model.parameters():
-            total += p.to_local().numel() * p.element_size()
-        for per_param in optimizer.state.values():
-            for value in per_param.values():
-                if torch.is_tensor(value) and value.numel() > 1:
-                    local = value.to_local() if hasattr(value, "to_local") else value
-                    total += local.numel() * local.element_size()
-        return total
-
-    return step, state_bytes
-
-
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     init_rank(rank, args.world_size, port)
     try:
@@ -150,7 +115,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         hyper = dict(engine3.optimizer.param_groups[0])
         fsdp_error, fsdp_state = None, None
         try:
-            step_fns["fsdp2"], fsdp_state = build_fsdp2(args, hyper)
+            step_fns["fsdp2"], fsdp_state = build_fsdp2(args, "fp32", hyper)
         except Exception as exc:  # report and skip the row, as asked
             fsdp_error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         batches = make_batches(args, rank, args.warmup + args.steps)

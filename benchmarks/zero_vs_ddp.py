@@ -23,30 +23,33 @@ script, not a test: nothing here asserts on time.
 
 import argparse
 import gc
-import inspect
-import os
-import socket
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt import GPT, GPTConfig  # noqa: E402
+from _common import (  # noqa: E402
+    available_cores,
+    build_ddp,
+    build_model,
+    formula,
+    free_port,
+    init_rank,
+    make_batches,
+    native_bf16,
+    time_interleaved,
+    zero_config,
+)
 
 import zero  # noqa: E402
 
 # (stage, dtype name) per row; the DDP baseline of a row runs in the same precision.
 RUNS = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")]
-LR = 1e-4
-CLIP = 1.0
 
 
 @dataclass
@@ -95,101 +98,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def init_rank(rank: int, world_size: int, port: int) -> None:
-    """A spawned benchmark rank: torchrun's variables, an equal share of the cores, gloo."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(max(1, available_cores() // world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# ----- workload ---------------------------------------------------------------------------------
-def build_model(args) -> GPT:
-    """The same initialization on every rank and for every configuration."""
-    torch.manual_seed(0)
-    return GPT(
-        GPTConfig(
-            n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size
-        )
-    )
-
-
-def make_batches(args, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random byte tokens, different per rank, identical across configurations."""
-    g = torch.Generator().manual_seed(1000 + rank)
-    batches = []
-    for _ in range(count):
-        tokens = torch.randint(0, 256, (args.micro_batch, args.block_size + 1), generator=g)
-        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-    return batches
-
-
-def zero_config(args, stage: int, dtype: str) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": CLIP,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "bf16": {"enabled": dtype == "bf16"},
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": args.reduce_bucket_size,
-            "allgather_bucket_size": args.allgather_bucket_size,
-            "overlap_comm": True,
-        },
-    }
-
-
-def native_bf16() -> bool:
-    """True when bf16 matmul runs natively (a GPU, or a CPU with avx512_bf16 / amx_bf16)."""
-    if torch.cuda.is_available():
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def time_interleaved(step_fns: dict, batches, warmup: int) -> dict[str, float]:
-    """Median milliseconds per step of each step_fn over batches[warmup:].
-
-    The contestants take turns, one step each per batch, so slow drift of a shared machine hits
-    all of them alike. A barrier precedes every clock read: a step ends when the slowest rank
-    has finished it.
-    """
-    times = {name: [] for name in step_fns}
-    for i, (x, y) in enumerate(batches):
-        for name, step_fn in step_fns.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step_fn(x, y)
-            dist.barrier()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: 1000.0 * statistics.median(t) for name, t in times.items()}
-
-
 # ----- the two contestants ----------------------------------------------------------------------
 def build_zero(args, stage: int, dtype: str):
     """A zero engine and its one-micro-batch training step (forward, backward, step)."""
@@ -221,26 +129,6 @@ def zero_row(engine, stage: int, dtype: str, psi: int, step_ms: float) -> Row:
     )
 
 
-def build_ddp(args, dtype: str, hyper: dict):
-    """DDP + torch.optim.AdamW (zero's resolved hyper-parameters) + clip_grad_norm_. bf16 is
-    torch's mixed precision: fp32 parameters and optimizer, bf16 autocast in forward."""
-    model = build_model(args)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=args.reduce_bucket_size * 4 / 2**20)
-    accepted = inspect.signature(torch.optim.AdamW).parameters
-    kwargs = {k: v for k, v in hyper.items() if k in accepted and k != "params"}
-    optimizer = torch.optim.AdamW(ddp.parameters(), **kwargs)
-
-    def step(x, y):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = ddp(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
 def run_dtype(args, dtype: str, batches, warmup: int) -> tuple[list[Row], float]:
     """All stages of one precision and their DDP baseline, timed in turns."""
     psi = sum(p.numel() for p in build_model(args).parameters() if p.requires_grad)
@@ -249,36 +137,12 @@ def run_dtype(args, dtype: str, batches, warmup: int) -> tuple[list[Row], float]
         if run_dtype_name == dtype:
             engines[stage], step_fns[f"zero{stage}"] = build_zero(args, stage, dtype)
     hyper = dict(next(iter(engines.values())).optimizer.param_groups[0])
-    step_fns["ddp"] = build_ddp(args, dtype, hyper)
+    step_fns["ddp"] = build_ddp(args, dtype, hyper, args.reduce_bucket_size * 4 / 2**20)
     ms = time_interleaved(step_fns, batches, warmup)
     rows = [zero_row(e, s, dtype, psi, ms[f"zero{s}"]) for s, e in engines.items()]
     del engines, step_fns
     gc.collect()
     return rows, ms["ddp"]
-
-
-# ----- the paper's numbers ----------------------------------------------------------------------
-def formula(stage: int, dtype: str, n: int) -> tuple[float, str]:
-    """Model-state bytes per parameter per rank that the row is compared with, and its name.
-
-    bf16 (mixed precision, K = 12: fp32 master, m, v): the paper's stage formulas with fp32
-    gradient accumulation, i.e. a 4-byte gradient term instead of 2 (zero accumulates in fp32).
-    fp32: the analogue with no separate master copy (the fp32 parameters are the master), so
-    parameters 4, gradients 4, Adam m and v 8 bytes; stage 1 shards the 8, stage 2 the 4 + 8.
-    """
-    if dtype == "bf16":
-        table = {
-            0: (2 + 4 + 12, "2+4+12 = 18 (DP 16 Psi, fp32 grad)"),
-            1: (2 + 4 + 12 / n, "2+4+12/N (stage 1, fp32 grad)"),
-            2: (2 + (4 + 12) / n, "2+(4+12)/N (stage 2, fp32 grad)"),
-        }
-    else:
-        table = {
-            0: (4 + 4 + 8, "4+4+8 = 16 (fp32 DP)"),
-            1: (4 + 4 + 8 / n, "4+4+8/N (fp32 stage 1)"),
-            2: (4 + (4 + 8) / n, "4+(4+8)/N (fp32 stage 2)"),
-        }
-    return table[stage]
 
 
 def print_report(args, rows, ddp_ms, steps, threads) -> None:
