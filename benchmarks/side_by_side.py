@@ -85,6 +85,7 @@ class System:
     engine: object = None  # the zero engine, for the paper's figures
     losses: list = field(default_factory=list)
     seconds: list = field(default_factory=list)  # timed steps only
+    cpu_seconds: list = field(default_factory=list)  # this process's CPU time (all threads)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -216,7 +217,9 @@ def run_rounds(args, systems: dict[str, System], batches, device) -> None:
             system = systems[name]
             for _ in range(args.steps_per_round):
                 x, y = batches[len(system.losses)]
+                cpu = time.process_time()
                 seconds, loss = timed_step(system.step, x, y, device)
+                system.cpu_seconds.append(time.process_time() - cpu)
                 system.seconds.append(seconds)
                 system.losses.append(loss)
 
@@ -268,13 +271,17 @@ def paper_figures(args, systems: dict[str, System]) -> dict:
     return out
 
 
-def ratios(medians: dict[str, float]) -> list[dict]:
+def ratios(medians: dict[str, float], cpu: dict[str, float]) -> list[dict]:
+    """The targets' ratios of median step times (what the targets are about), with the ratio
+    of median CPU time per step beside them (rank 0's process, all its threads: the work a
+    step costs, which other jobs on a shared machine disturb far less than the wall clock)."""
     out = []
     for num, den, target in TARGETS:
         if num in medians and den in medians:
             value = medians[num] / medians[den]
             out.append({"ratio": f"{num}/{den}", "value": value, "target": target})
             out[-1]["pass"] = value <= target
+            out[-1]["cpu"] = cpu[num] / cpu[den]
     return out
 
 
@@ -294,21 +301,27 @@ def print_report(result: dict) -> None:
     )
     for name, reason in result["skipped"].items():
         print(f"skipped {name}: {reason}")
-    print("\n| system | median step ms | min | max | last loss | max abs loss diff vs DDP |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| system | median step ms | min | max | CPU ms per step | last loss "
+        "| max abs loss diff vs DDP |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, s in result["systems"].items():
         parity = result["loss"].get(name, {})
         diff = parity.get("max_abs_diff_vs_ddp")
         check = "" if diff is None else f"{diff:.2e} ({'PASS' if parity['pass'] else 'MISS'})"
         print(
             f"| {name} | {s['median_ms']:.1f} | {min(s['step_ms']):.1f} | {max(s['step_ms']):.1f} "
-            f"| {parity.get('last_loss', float('nan')):.6f} | {check} |"
+            f"| {s['cpu_ms']:.1f} | {parity.get('last_loss', float('nan')):.6f} | {check} |"
         )
-    print("\n| ratio | median step time ratio | target | result |")
-    print("|---|---|---|---|")
+    print("\n| ratio | median step time ratio | target | result | CPU time ratio |")
+    print("|---|---|---|---|---|")
     for r in result["ratios"]:
         verdict = "PASS" if r["pass"] else "MISS"
-        print(f"| {r['ratio']} | {r['value']:.3f} | <= {r['target']:.2f} | {verdict} |")
+        print(
+            f"| {r['ratio']} | {r['value']:.3f} | <= {r['target']:.2f} | {verdict} "
+            f"| {r['cpu']:.3f} |"
+        )
     if result["paper"]:
         print(
             "\n| zero stage | comm elements/Psi | paper | model-state bytes/rank "
@@ -332,6 +345,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         count = args.warmup + args.rounds * args.steps_per_round
         run_rounds(args, systems, make_batches(args, rank, count, device), device)
         medians = {n: 1000.0 * statistics.median(s.seconds) for n, s in systems.items()}
+        cpu = {n: 1000.0 * statistics.median(s.cpu_seconds) for n, s in systems.items()}
         result = {
             "args": vars(args),
             "machine": machine(args),
@@ -340,10 +354,14 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             "psi": sum(p.numel() for p in build_model(args).parameters()),
             "skipped": skipped,
             "systems": {
-                n: {"median_ms": medians[n], "step_ms": [1000.0 * t for t in s.seconds]}
+                n: {
+                    "median_ms": medians[n],
+                    "cpu_ms": cpu[n],
+                    "step_ms": [1000.0 * t for t in s.seconds],
+                }
                 for n, s in systems.items()
             },
-            "ratios": ratios(medians),
+            "ratios": ratios(medians, cpu),
             "loss": loss_parity(args, systems, device),
             "paper": paper_figures(args, systems),
         }

@@ -31,11 +31,13 @@ def test_side_by_side_tiny(tmp_path):
     assert result["skipped"] == {}
     for name in SYSTEMS:
         assert result["systems"][name]["median_ms"] > 0
+        assert result["systems"][name]["cpu_ms"] > 0
     ratios = {r["ratio"]: r for r in result["ratios"]}
     assert set(ratios) == {"zero0/ddp", "zero3/fsdp2"}  # ds* not requested, so no ratio to them
     for r in ratios.values():
         assert math.isfinite(r["value"]) and r["value"] > 0
         assert r["pass"] == (r["value"] <= r["target"])
+        assert math.isfinite(r["cpu"]) and r["cpu"] > 0
     for name in ("zero0", "zero3", "fsdp2"):
         parity = result["loss"][name]
         assert parity["pass"], (name, parity)
