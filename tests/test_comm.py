@@ -26,11 +26,23 @@ def _exchanges(sizes):
     not, on the default group and on a sibling group."""
     import torch.distributed as dist
 
+    import zero.comm
     from zero.comm import _Exchange
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = Communicator(None, rank, world)
+    # Below _EXCHANGE_MIN_BYTES per peer slice gloo's own collective runs; at and above, the
+    # exchange. The sizes tested below are small, so the threshold is lowered for them.
+    small = torch.ones(world * 16)
+    big = torch.ones(world * zero.comm._EXCHANGE_MIN_BYTES // 4)
+    paths = []
+    for full in (small, big):
+        handle = comm.reduce_scatter(torch.empty(full.numel() // world), full, async_op=True)
+        paths.append(isinstance(handle._work, _Exchange))
+        handle.wait()
+    assert paths == [False, True], paths
+    zero.comm._EXCHANGE_MIN_BYTES = 0
     sibling = comm.sibling("test-exchanges")
     gen = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(world * n, generator=gen) for n in sizes]
