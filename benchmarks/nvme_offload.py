@@ -2,20 +2,27 @@ r"""Optimizer offload to nvme (ZeRO-Infinity) beside cpu offload and no offload,
 
     python benchmarks/nvme_offload.py --nvme_path /tmp/nvme --stage 3 --world_size 2 \
         --n_layer 4 --n_embd 256 --steps 10 --warmup 2
-    python benchmarks/nvme_offload.py --nvme_path /tmp/nvme --capped --world_size 2 \
-        --n_layer 8 --n_embd 1024 --steps 5 --warmup 0
+    python benchmarks/nvme_offload.py --nvme_path /tmp/nvme --capped --world_size 1 \
+        --n_layer 16 --n_embd 1024 --block_size 32 --micro_batch 2 --steps 8 --lr 1e-5 \
+        --cap_fraction 0.6 --buffer_numel 4194304 --data tinyshakespeare.txt
 
 Spawns `world_size` gloo ranks (CPU processes) once. Default mode: each rank runs the GPT of
 examples/gpt.py (random byte tokens, same initialization and batches for every configuration)
 with offload_optimizer none, cpu, nvme and nvme with ratio 0.5, and rank 0 prints the median
 step time (forward + backward + optimizer step) of each.
 
---capped: one nvme run (bf16, 2-byte gradients, stage 3) under a per-rank host memory cap of
---cap_fraction x 12 Psi bytes, i.e. below the model's fp32 master weights + Adam moments: a
-thread samples the rank's resident set every 5 ms and exits the rank when it passes the cap,
-and the kernel's own peak (getrusage ru_maxrss) is checked against the cap at the end. Prints
-the losses of each step and the peak. On a machine without GPUs host memory is the device's
-memory too, so the cap covers parameters, gradients, activations and the swap buffers.
+--capped: one run (stage 3, bf16, 2-byte gradients, fp32 master + Adam and the parameter shards
+on nvme) under a per-rank host memory cap of empty-rank RSS + --cap_fraction x 12 Psi / N bytes,
+i.e. below what the fp32 master weights + Adam moments alone need without nvme: a thread
+samples the rank's resident set every 5 ms and exits the rank when it passes the cap, and the
+kernel's own peak (getrusage ru_maxrss) is checked against the cap at the end. It trains one
+fixed batch (bytes of --data, else random tokens) --steps times, then (--reference 1) the same
+model, seed and batch without offload and without a cap. Prints the holders measured from
+zero's tensors, the RSS peak of each phase, the losses of both runs and the step time. The
+ranks are spawned with MALLOC_MMAP_THRESHOLD_=65536 (glibc then returns freed tensors of more
+than 64 KiB to the kernel at once; otherwise RSS does not fall when zero.Init's shards are
+dropped). On a machine without GPUs host memory is the device's memory too, so the cap covers
+parameters, gradients, activations and the swap buffers.
 This is a measurement script, not a test: nothing here asserts on time.
 """
 
