@@ -465,18 +465,20 @@ class PartialOffload:
     # ----- the step ---------------------------------------------------------------------
     def step(self, zopt, grads: list[torch.Tensor]) -> None:
         """Step every bucket where it lives, copy updated masters into the parameter shards,
-        then zopt.refresh_params() (the all-gather). grads: per bucket, the fp32 unscaled,
-        clipped owned gradient. Collective (the all-gather)."""
+        then zopt.refresh_params() (the all-gather). grads: indexed by bucket, the fp32
+        unscaled, clipped owned gradient (a list, or stages.ScaledGrads, which makes each when
+        indexed: an nvme bucket's is made when that bucket is stepped and dropped after it).
+        Collective (the all-gather)."""
         placed: dict[str, list] = {"device": [], "cpu": [], "nvme": []}
-        for bucket, grad in zip(zopt.buckets, grads):
-            placed[self.where(bucket)].append((bucket, grad))
+        for index, bucket in enumerate(zopt.buckets):
+            placed[self.where(bucket)].append((bucket, index))
         written: set[int] = set()
         if placed["device"]:
-            self._step_device(zopt, placed["device"])
+            self._step_device(zopt, [(b, grads[i]) for b, i in placed["device"]])
         if placed["cpu"]:
-            written |= self._step_host(zopt, placed["cpu"])
+            written |= self._step_host(zopt, [(b, grads[i]) for b, i in placed["cpu"]])
         if placed["nvme"]:
-            self._step_nvme(zopt, placed["nvme"])
+            self._step_nvme(zopt, placed["nvme"], grads)
         zopt.refresh_params(skip_copy=written)
 
     def _device_optimizer(self, optimizer):
@@ -527,21 +529,23 @@ class PartialOffload:
                 zopt.optimizer.step()
         return set(map(id, fused))
 
-    def _step_nvme(self, zopt, pairs) -> None:
+    def _step_nvme(self, zopt, pairs, grads) -> None:
+        """pairs: (bucket, its index in grads), in bucket order."""
         optimizer = zopt.optimizer
         count = len(self.slots)
         ahead = count - 1  # buckets read ahead of the one stepped
         for i in range(min(ahead, len(pairs))):
             self._start_read(pairs[i][0], self.slots[i % count])
         try:
-            for i, (bucket, grad) in enumerate(pairs):
+            for i, (bucket, index) in enumerate(pairs):
                 if ahead == 0:
                     self._start_read(bucket, self.slots[0])
                 elif i + ahead < len(pairs):
                     self._start_read(pairs[i + ahead][0], self.slots[(i + ahead) % count])
                 slot = self.slots[i % count]
                 slot.wait()  # this bucket's reads
-                self._step_one(zopt, optimizer, bucket, grad, slot)
+                # grads[index] is made here with 2-byte gradients, and freed after the step
+                self._step_one(zopt, optimizer, bucket, grads[index], slot)
         finally:
             for slot in self.slots:
                 slot.wait()

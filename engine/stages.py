@@ -30,6 +30,15 @@ buffer in place; stages 2 and 3 in communication_data_type, default the compute 
 step() is an fp32 copy of each owned shard made (4 bytes per owned element, transient): the
 global norm, overflow check, unscaling and clipping run on it and the optimizer reads it as the
 fp32 master weights' gradient; it is freed when the step ends. No full-size fp32 gradient exists.
+
+[Note: one fp32 gradient at a time]
+With nvme (or partial) optimizer offload and 2-byte gradients, step() never holds the fp32
+copies of all owned shards at once (4 bytes per owned element, as much as the fp32 master that
+nvme keeps out of memory): the global norm is summed from one transient copy per bucket, each
+freed before the next is made, and engine/nvme.py asks ScaledGrads for a bucket's fp32 gradient
+(copy, then the same multiplication by the unscale-and-clip factor) only when it steps that
+bucket. The values are those of the eager path bit for bit: the same cast, the same norm
+summation order, the same multiplication.
 """
 
 import contextlib
@@ -71,6 +80,24 @@ def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     to and from the device can be asynchronous."""
     host = tensor.detach().to("cpu", copy=True)
     return host.pin_memory() if pin and torch.cuda.is_available() else host
+
+
+class ScaledGrads:
+    """Per bucket, the (shard_numel,) fp32 unscaled, clipped owned gradient, made when indexed:
+    a fresh fp32 copy of the 2-byte grad_shard times `factor` ([Note: one fp32 gradient at a
+    time]). Each index is read once; the caller drops the tensor when its bucket is stepped."""
+
+    def __init__(self, buckets: list, factor: float):
+        self.buckets = buckets
+        self.factor = factor
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        shard = self.buckets[index].grad_shard
+        assert shard.dtype != torch.float32, "ScaledGrads would scale an fp32 shard in place"
+        return shard.to(torch.float32).mul_(self.factor)
 
 
 class BucketState(enum.Enum):
@@ -527,17 +554,26 @@ class ZeroOptimizer:
             # otherwise leave this rank waiting in the buffers' broadcast (with shards, the
             # gradient norm's sum is this check, see _global_norm).
             self.comm.agreement.check(Intent.STEP)
-        shards = [self._fp32_grad(b) for b in self.buckets]
+        # [Note: one fp32 gradient at a time]
+        one_at_a_time = self.offloader is not None and self.settings.accum_dtype != torch.float32
+        if one_at_a_time:
+            shards = None
+            norm_inputs = (self._fp32_grad(b) for b in self.buckets)
+        else:
+            shards = norm_inputs = [self._fp32_grad(b) for b in self.buckets]
         # The shards hold sum-over-ranks of loss-scaled gradients; averaging, unscaling and
         # clipping are folded into one multiplication.
         unscale = 1.0 / (self.comm.world_size * self.scaler.scale)
-        norm = self._global_norm(shards) * unscale
+        norm = self._global_norm(norm_inputs) * unscale
         self.global_grad_norm = norm
         overflow = self.settings.overflow_check and not math.isfinite(norm)
         if not overflow:
             factor = unscale * self._clip_coefficient(norm)
-            for shard in shards:
-                shard.mul_(factor)
+            if one_at_a_time:
+                shards = ScaledGrads(self.buckets, factor)
+            else:
+                for shard in shards:
+                    shard.mul_(factor)
             self._optimizer_step(shards)
         self.scaler.update(bool(overflow), self.comm.rank)
         self.clear_gradients()
@@ -602,6 +638,7 @@ class ZeroOptimizer:
                 squares += torch.linalg.vector_norm(shard).square()
             else:
                 squares += model_parallel.shard_squares(bucket.layout, shard, shard_index)
+            del shard  # a transient copy is freed before the next one is made
         if self.layout.num_shards > 1 and self.comm.agreement is not None:
             squares.fill_(self.comm.agreement.check_and_sum(Intent.STEP, float(squares)))
         elif self.layout.num_shards > 1:  # checks switched off (benchmarks/stage3_vs_fsdp.py)

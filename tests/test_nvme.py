@@ -148,6 +148,57 @@ def test_nvme_and_ratio_match_no_offload_after_every_step(tmp_path):
                 assert placement[0] == "device" and placement[-1] == kind, (case, placement)
 
 
+# ----- 2-byte gradients: one fp32 gradient copy at a time ------------------------------------
+def two_byte_sweep(root):
+    """bf16, grad_accum_dtype bf16, clipping on: nvme runs and the cpu offload run (whose step
+    casts every shard at once) after every step, and the most fp32 gradient copies the nvme
+    step held at once (ScaledGrads items alive when the next one is made)."""
+    import weakref
+
+    from zero import stages
+
+    made, most = [], [0]
+    original = stages.ScaledGrads.__getitem__
+
+    def counting(self, index):
+        alive = [r for r in made if r() is not None]
+        most[0] = max(most[0], len(alive) + 1)
+        value = original(self, index)
+        made[:] = alive + [weakref.ref(value)]
+        return value
+
+    stages.ScaledGrads.__getitem__ = counting
+    nvme = {"device": "nvme", "nvme_path": f"{root}/swap", "buffer_count": 2}
+    os.makedirs(nvme["nvme_path"], exist_ok=True)
+    out = {}
+    for stage, gas in itertools.product((2, 3), (1, 2)):
+        for name, offload in (("cpu", {"device": "cpu"}), ("nvme", nvme)):
+            cfg = config(stage, gas, offload)
+            cfg["bf16"] = {"enabled": True}
+            cfg["data_types"] = {"grad_accum_dtype": "bf16"}
+            cfg["gradient_clipping"] = 0.05  # clips: the factor differs from the unscale
+            most[0] = 0
+            engine = make_engine(cfg)
+            history = train(engine, gas, range(STEPS), stage == 3)
+            norms = engine.get_global_grad_norm()
+            engine.close()
+            out[(stage, gas, name)] = (history, norms, most[0])
+    return out
+
+
+def test_two_byte_gradients_step_one_fp32_copy_at_a_time_bitwise(tmp_path):
+    for rank_results in run_ranks(two_byte_sweep, 2, str(tmp_path)):
+        for (stage, gas, name), (history, norm, most) in rank_results.items():
+            if name == "cpu":
+                continue
+            ref_history, ref_norm, _ = rank_results[(stage, gas, "cpu")]
+            assert norm == ref_norm, (stage, gas)
+            for a_step, b_step in zip(ref_history, history):
+                for a, b in zip(a_step, b_step):
+                    assert torch.equal(a, b), (stage, gas)
+            assert most == 1, (stage, gas, most)
+
+
 # ----- directory lifetime -------------------------------------------------------------------
 def _fake_run_dir(root, pid, host=None):
     path = os.path.join(root, f"zero-{pid}-1a2b-c3d4e5f6-rank0")
