@@ -903,6 +903,11 @@ def settings_without_effect(config: Config, *, model_parallel_world_size: int) -
             "flops_profiler.enabled: zero has no per-module FLOPs profiler; its step line "
             "reports tokens/s and model TFLOP/s every steps_per_print steps."
         )
+    if config.aio.use_gds:
+        lines.append(
+            "aio.use_gds: zero's nvme offload reads and writes through host buffers "
+            "(zero.ops.aio), not GPUDirect Storage."
+        )
     if config.prescale_gradients or config.gradient_predivide_factor != 1.0:
         lines.append(
             "prescale_gradients / gradient_predivide_factor: zero sums gradients over ranks "

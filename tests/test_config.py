@@ -1062,6 +1062,7 @@ def test_settings_without_effect_only_without_model_parallelism():
         ({"flops_profiler": {"enabled": True}}, "no per-module FLOPs profiler"),
         ({"prescale_gradients": True}, "divides once after the reduction"),
         ({"gradient_predivide_factor": 2.0}, "divides once after the reduction"),
+        ({"aio": {"use_gds": True}}, "not GPUDirect Storage"),
     ],
 )
 def test_features_zero_does_not_have_are_said_once(block, words):
