@@ -168,6 +168,7 @@ class Communicator:
         self._siblings: list[Communicator] = []
         self._backend: str | None = None
         self._exchanges = 0  # [Note: gloo exchanges]: the tag of the next one
+        self.use_exchanges = True  # [Note: gloo exchanges]; off on sibling groups
 
     def sibling(self, purpose: str, timeout_s: float | None = None) -> "Communicator":
         """A Communicator over the same ranks on a process group of its own (same backend),
@@ -182,6 +183,10 @@ class Communicator:
             group = _side_group(purpose, self._global_ranks(), None, timeout_s)
         other = Communicator(group, self.rank, self.world_size)
         other.ledger = self.ledger
+        # Stage 3 reaps its gradient reduce-scatters by polling done() during backward; gloo's
+        # point-to-point works report completion only once waited for, so exchanges there would
+        # keep every bucket's buffers until the end of backward. gloo's collective reports it.
+        other.use_exchanges = False
         self._siblings.append(other)
         return other
 
@@ -322,7 +327,9 @@ class Communicator:
     # NCCL keeps its own collectives.
     def _exchanges_on(self, tensor: torch.Tensor) -> bool:
         slice_bytes = tensor.numel() // self.world_size * tensor.element_size()
-        return self.backend == "gloo" and not tensor.is_cuda and slice_bytes >= _EXCHANGE_MIN_BYTES
+        if not self.use_exchanges or tensor.is_cuda or slice_bytes < _EXCHANGE_MIN_BYTES:
+            return False
+        return self.backend == "gloo"
 
     def _peer_group(self):
         """The torch ProcessGroup whose send/recv take this group's ranks."""
