@@ -18,6 +18,8 @@ import datetime
 import enum
 import logging
 import os
+import queue
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -108,23 +110,86 @@ class Handle:
 
 
 class _Exchange:
-    """The point-to-point sends and receives of one reduce-scatter or all-gather on gloo
-    ([Note: gloo exchanges]), waited together; `finish` (the reduce-scatter's sum) runs once they
-    are done. Has the two methods Handle uses of torch's Work."""
+    """The works of one gloo collective, waited together: the point-to-point sends and receives
+    of an exchange ([Note: gloo exchanges]), whose `finish` (a reduce-scatter's sum) runs once they
+    are done, or gloo's own work. Has the two methods Handle uses of torch's Work. A watched one
+    ([Note: watched reduce-scatters]) is waited by the watcher thread; wait() then waits for
+    that thread."""
 
     def __init__(self, works: list, finish=None):
         self._works = works
         self._finish = finish
+        self._settled = None  # watched: set by the watcher once every work was waited
+        self._error = None  # watched: what the watcher's wait raised
 
     def is_completed(self) -> bool:
+        if self._settled is not None:
+            return self._settled.is_set()
         return all(work.is_completed() for work in self._works)
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        if self._settled is not None:
+            self._settled.wait()
+            if self._error is not None:
+                raise self._error
+        else:
+            for work in self._works:
+                work.wait()
         if self._finish is not None:
             self._finish()
             self._finish = None
+
+    def settle(self) -> None:
+        """Wait for every work (the watcher thread calls it; torch's wait releases the GIL)."""
+        try:
+            for work in self._works:
+                work.wait()
+        except BaseException as error:  # handed to the thread that waits for the exchange
+            self._error = error
+        finally:
+            self._settled.set()
+
+
+class _ExchangeWatcher:
+    """[Note: watched reduce-scatters]
+    gloo's works (its own reduce-scatter and the point-to-point sends and receives of an
+    exchange) report is_completed() False until someone waits for them, even long after the data
+    arrived. A caller that only reaps finished reduce-scatters (stage 3 never blocks on one
+    during backward, [Note: two groups at stage 3] in engine/stages.py) therefore reaped none:
+    every bucket's full-size gradient staging buffer (and an exchange's receive buffer) stayed
+    alive until the end of backward, 1.5x the whole gradient on a 30-layer GPT. One daemon
+    thread per process waits for the asynchronous gloo reduce-scatters in launch order and
+    marks each done, so done() tells the truth and a bucket's buffers go as soon as its
+    reduction is over. Only reduce-scatters are watched, in launch order: the thread's wait for
+    one depends only on peers joining a collective this rank already launched, never on this
+    rank's next step, so it cannot deadlock (an all-gather waited behind a reduce-scatter
+    blocked on a peer could). The sum of an exchange still runs in the caller's thread."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="zero-reduce-watcher", daemon=True)
+        self._thread.start()
+
+    def watch(self, exchange: _Exchange) -> _Exchange:
+        exchange._settled = threading.Event()
+        self._queue.put(exchange)
+        return exchange
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get().settle()
+
+
+_WATCHER: _ExchangeWatcher | None = None
+
+
+def _watcher() -> _ExchangeWatcher:
+    """The process's watcher thread (made again in a forked child, which has no threads)."""
+    global _WATCHER
+    if _WATCHER is None or _WATCHER.pid != os.getpid():
+        _WATCHER = _ExchangeWatcher()
+    return _WATCHER
 
 
 def _started(exchange: _Exchange, async_op: bool) -> "_Exchange | None":
@@ -168,7 +233,6 @@ class Communicator:
         self._siblings: list[Communicator] = []
         self._backend: str | None = None
         self._exchanges = 0  # [Note: gloo exchanges]: the tag of the next one
-        self.use_exchanges = True  # [Note: gloo exchanges]; off on sibling groups
 
     def sibling(self, purpose: str, timeout_s: float | None = None) -> "Communicator":
         """A Communicator over the same ranks on a process group of its own (same backend),
@@ -183,10 +247,6 @@ class Communicator:
             group = _side_group(purpose, self._global_ranks(), None, timeout_s)
         other = Communicator(group, self.rank, self.world_size)
         other.ledger = self.ledger
-        # Stage 3 reaps its gradient reduce-scatters by polling done() during backward; gloo's
-        # point-to-point works report completion only once waited for, so exchanges there would
-        # keep every bucket's buffers until the end of backward. gloo's collective reports it.
-        other.use_exchanges = False
         self._siblings.append(other)
         return other
 
@@ -286,7 +346,20 @@ class Communicator:
             launch = lambda: _reduce_scatter_single(  # noqa: E731
                 output, input, group=self.group, async_op=async_op
             )
+        if async_op and self.backend == "gloo" and not input.is_cuda:
+            launch = self._watched(launch)
         return self._run("reduce_scatter", input, launch, async_op)
+
+    def _watched(self, launch):
+        """launch, with the work it returns waited for by the watcher thread ([Note: watched
+        reduce-scatters])."""
+
+        def start():
+            work = launch()
+            exchange = work if isinstance(work, _Exchange) else _Exchange([work])
+            return _watcher().watch(exchange)
+
+        return start
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -327,9 +400,7 @@ class Communicator:
     # NCCL keeps its own collectives.
     def _exchanges_on(self, tensor: torch.Tensor) -> bool:
         slice_bytes = tensor.numel() // self.world_size * tensor.element_size()
-        if not self.use_exchanges or tensor.is_cuda or slice_bytes < _EXCHANGE_MIN_BYTES:
-            return False
-        return self.backend == "gloo"
+        return self.backend == "gloo" and not tensor.is_cuda and slice_bytes >= _EXCHANGE_MIN_BYTES
 
     def _peer_group(self):
         """The torch ProcessGroup whose send/recv take this group's ranks."""
