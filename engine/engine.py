@@ -108,16 +108,17 @@ class Engine(torch.nn.Module):
         _check_one_source(config, optimizer, lr_scheduler)
         optimizer = optimizer or self._config_optimizer(model_parameters)
         named_groups = self._named_groups(optimizer, client_optimizer)
-        nvme.check_before_allocating(
+        optimizer_files = nvme.check_before_allocating(
             config,
             optimizer,
             sum(full_numel(p) for named in named_groups for _, p in named),
             self._num_shards(),
             comm.rank,
         )
-        param_swap.check_before_allocating(
+        param_files = param_swap.check_before_allocating(
             config, [full_numel(p) for p in model.parameters()], self._num_shards(), comm.rank
         )
+        nvme.check_free_space([optimizer_files, param_files], comm.rank)
         # Before the first collective: every rank built the same model with the same config.
         agreement = comm.start_agreement(config.agreement_timeout)
         if agreement is not None:

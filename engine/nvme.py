@@ -55,8 +55,8 @@ import torch
 from .config import ConfigError
 
 ALIGN_BYTES = 4096
-# Free space asked for beyond the files' bytes (filesystem metadata, rounding).
-SPACE_MARGIN_BYTES = 64 << 20
+# Free space asked for beyond the files' bytes, once per directory (filesystem metadata).
+SPACE_MARGIN_BYTES = 16 << 20
 _DIR_RE = re.compile(r"zero-(\d+)-[0-9a-f]+-[0-9a-f]+-rank(\d+)")
 _OWNER = "owner.json"
 _FILE_RE = re.compile(r"b\d+\.[A-Za-z0-9_]+\.swp")
@@ -135,15 +135,18 @@ def padded_bytes(numel: int, element_size: int = 4) -> int:
     return -(-numel * element_size // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def check_before_allocating(config, optimizer, trainable_numel: int, num_shards: int, rank: int):
+def check_before_allocating(
+    config, optimizer, trainable_numel: int, num_shards: int, rank: int
+) -> tuple[str, str, int] | None:
     """Raise before the model is touched: ConfigError naming offload_optimizer.nvme_path when
-    it is missing, not a directory, not writable or lacks the free space this rank will write
-    (fp32 master + 2 state tensors per owned offloaded element, + SPACE_MARGIN_BYTES);
-    NotImplementedError for an optimizer that creates state at construction (Adagrad), whose
-    state would be made for placeholders. trainable_numel: elements zero lays out (all ranks)."""
+    it is missing, not a directory or not writable; NotImplementedError for an optimizer that
+    creates state at construction (Adagrad), whose state would be made for placeholders.
+    Returns (key, nvme_path, bytes this rank will write there: fp32 master + 2 state tensors
+    per owned offloaded element) for check_free_space; None without nvme. trainable_numel:
+    elements zero lays out (all ranks)."""
     policy = OptimizerOffload.from_config(config)
     if policy is None or policy.device != "nvme":
-        return
+        return None
     if len(optimizer.state) > 0:
         raise NotImplementedError(
             f"rank {rank}: optimizer {type(optimizer).__name__} creates its state at "
@@ -151,13 +154,13 @@ def check_before_allocating(config, optimizer, trainable_numel: int, num_shards:
             "place in files; use Adam/AdamW/SGD or device 'cpu'"
         )
     per_rank = math.ceil(trainable_numel * policy.ratio / num_shards) + 1024 * num_shards
-    need = 3 * padded_bytes(per_rank) + SPACE_MARGIN_BYTES
-    check_nvme_path("zero_optimization.offload_optimizer.nvme_path", policy.nvme_path, need, rank)
+    key = "zero_optimization.offload_optimizer.nvme_path"
+    check_nvme_path(key, policy.nvme_path, rank)
+    return key, policy.nvme_path, 3 * padded_bytes(per_rank)
 
 
-def check_nvme_path(key: str, path: str | None, need_bytes: int, rank: int) -> None:
-    """Raise ConfigError naming `key` unless `path` is an existing, writable directory with at
-    least need_bytes bytes free."""
+def check_nvme_path(key: str, path: str | None, rank: int) -> None:
+    """Raise ConfigError naming `key` unless `path` is an existing, writable directory."""
     if not path or not os.path.isdir(path):
         what = "does not exist" if not path or not os.path.exists(path) else "is not a directory"
         raise ConfigError(
@@ -169,13 +172,30 @@ def check_nvme_path(key: str, path: str | None, need_bytes: int, rank: int) -> N
             f"{key} {path!r} is not writable by this process (rank {rank}); pick a directory "
             "it can create files in"
         )
-    free = shutil.disk_usage(path).free
-    if free < need_bytes:
-        raise ConfigError(
-            f"{key} {path!r} has {free / 2**30:.2f} GiB free, but rank {rank} will write "
-            f"{need_bytes / 2**30:.2f} GiB there; free space, use another disk, or offload less "
-            "(zero_optimization.offload_optimizer.ratio)"
-        )
+
+
+def check_free_space(needs: list, rank: int) -> None:
+    """Raise ConfigError naming the keys when a directory lacks the free space that every rank
+    on this host will write there. needs: (key, path, bytes per rank) from the
+    check_before_allocating of nvme.py and param_swap.py (None entries skipped); needs on one
+    directory (optimizer and parameters sharing nvme_path) add up, times the ranks on this host
+    ($LOCAL_WORLD_SIZE, set by zrun and torchrun; they all run this config), plus
+    SPACE_MARGIN_BYTES."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    by_dir: dict[str, tuple[list[str], int]] = {}
+    for key, path, need in filter(None, needs):
+        keys, total = by_dir.get(os.path.realpath(path), ([], 0))
+        by_dir[os.path.realpath(path)] = (keys + [key], total + need)
+    for path, (keys, per_rank) in by_dir.items():
+        need = per_rank * ranks + SPACE_MARGIN_BYTES
+        free = shutil.disk_usage(path).free
+        if free < need:
+            raise ConfigError(
+                f"{' and '.join(keys)} {path!r} has {free / 2**30:.2f} GiB free, but the "
+                f"{ranks} rank(s) on this host will write {need / 2**30:.2f} GiB there "
+                f"({per_rank / 2**30:.2f} GiB each, rank {rank} among them); free space, use "
+                "another disk, or offload less (zero_optimization.offload_optimizer.ratio)"
+            )
 
 
 # ----- the run's directory ----------------------------------------------------------------

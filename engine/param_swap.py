@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError
-from .nvme import SPACE_MARGIN_BYTES, SwapStore, check_nvme_path, padded_bytes
+from .nvme import SwapStore, check_nvme_path, padded_bytes
 
 KEY = "zero_optimization.offload_param"
 
@@ -82,14 +82,17 @@ class ParamOffload:
         )
 
 
-def check_before_allocating(config, numels: list[int], num_shards: int, rank: int) -> None:
+def check_before_allocating(
+    config, numels: list[int], num_shards: int, rank: int
+) -> tuple[str, str, int] | None:
     """Raise before the model is touched: ConfigError naming offload_param.buffer_size when one
     parameter's shard (numel / world size, rounded up) exceeds it, and naming
-    offload_param.nvme_path when the directory is missing, not writable or lacks the space for
-    this rank's shards (numels: every laid-out parameter's element count, all ranks)."""
+    offload_param.nvme_path when the directory is missing or not writable (numels: every
+    laid-out parameter's element count, all ranks). Returns (key, nvme_path, bytes of this
+    rank's shard files) for zero.nvme.check_free_space; None without parameter nvme."""
     policy = ParamOffload.from_config(config)
     if policy is None:
-        return
+        return None
     largest = -(-max(numels, default=0) // num_shards)
     if largest > policy.buffer_size:
         raise ConfigError(
@@ -99,8 +102,8 @@ def check_before_allocating(config, numels: list[int], num_shards: int, rank: in
         )
     element = torch.empty(0, dtype=config.compute_dtype).element_size()
     per_rank = -(-sum(numels) // num_shards) + 1024 * num_shards
-    need = padded_bytes(per_rank, element) + SPACE_MARGIN_BYTES
-    check_nvme_path(f"{KEY}.nvme_path", policy.nvme_path, need, rank)
+    check_nvme_path(f"{KEY}.nvme_path", policy.nvme_path, rank)
+    return f"{KEY}.nvme_path", policy.nvme_path, padded_bytes(per_rank, element)
 
 
 def bucket_numel_cap(config, num_shards: int) -> int | None:

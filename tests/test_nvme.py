@@ -261,6 +261,29 @@ def test_bad_nvme_path_is_an_error_naming_the_key(tmp_path, monkeypatch):
     assert swap_dirs(tmp_path) == []
 
 
+def test_free_space_counts_every_local_rank_and_both_kinds_on_one_disk(tmp_path, monkeypatch):
+    """Ranks on one host share the disk: a check per rank passed with room for one rank only,
+    and the run failed in its first step with ENOSPC."""
+    import shutil
+
+    from zero.nvme import SPACE_MARGIN_BYTES, check_free_space
+
+    real = shutil.disk_usage
+    free = 3 * (100 << 20) + SPACE_MARGIN_BYTES
+    monkeypatch.setattr("zero.nvme.shutil.disk_usage", lambda p: real(p)._replace(free=free))
+    opt = ("zero_optimization.offload_optimizer.nvme_path", str(tmp_path), 100 << 20)
+    par = ("zero_optimization.offload_param.nvme_path", str(tmp_path / "."), 50 << 20)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_free_space([opt, par], rank=0)  # 2 x 150 MiB fits
+    check_free_space([opt, None], rank=0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    check_free_space([None, par], rank=0)  # 4 x 50 MiB fits
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path and .*offload_param"):
+        check_free_space([opt, par], rank=3)  # 4 x 150 MiB does not
+    with pytest.raises(ConfigError, match=r"the 4 rank\(s\) on this host will write"):
+        check_free_space([opt], rank=3)
+
+
 def test_bad_param_nvme_path_or_buffer_size_is_an_error_naming_the_key(tmp_path):
     key = r"zero_optimization\.offload_param"
     missing = param_config(1, str(tmp_path / "missing"))
