@@ -54,21 +54,9 @@ from .stages import ReduceSettings, ZeroOptimizer, check_optimizer
 logger = logging.getLogger("zero")
 
 
-def check_implemented(config) -> None:
-    """Raise NotImplementedError, naming the key, for valid config values zero does not run
-    (none at present: offload_param and offload_optimizer run on "cpu" and "nvme")."""
-    del config
-
-
 def _on_cpu(block):
     """An offload_optimizer / offload_param block when its device is "cpu", else None."""
     return block if block is not None and block.device == "cpu" else None
-
-
-def _on_host(block):
-    """An offload_param block whose shards are made in host memory ("cpu", or "nvme": the
-    engine moves them to files), else None."""
-    return block if block is not None and block.device in ("cpu", "nvme") else None
 
 
 class Phase(enum.Enum):
@@ -97,7 +85,6 @@ class Engine(torch.nn.Module):
         mpu=None,
     ):
         super().__init__()
-        check_implemented(config)
         self.config = config
         self.comm = comm
         self.accelerator = accelerator

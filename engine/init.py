@@ -271,12 +271,11 @@ class Init:
         self.comm = data_parallel_comm(mpu, data_parallel_group)
         if source is not None and mpu is not None:
             cfg = load_config(source, world_size=self.comm.world_size)
-        offload = None  # the offload_param block when it keeps shards on the CPU
-        if cfg is not None:
-            from .engine import _on_host, check_implemented
-
-            check_implemented(cfg)
-            offload = _on_host(cfg.zero.offload_param)
+        # The offload_param block when shards are made in host memory ("cpu"; "nvme": the
+        # engine moves them to files at initialize).
+        offload = cfg.zero.offload_param if cfg is not None else None
+        if offload is not None and offload.device not in ("cpu", "nvme"):
+            offload = None
         self.comm_device = accelerator.device  # where collectives run
         host = remote_device == "cpu" or offload is not None
         self.device = torch.device("cpu") if host else accelerator.device  # where shards live
