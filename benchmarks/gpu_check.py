@@ -4,7 +4,9 @@ r"""zero on one GPU: ops, stages 0-3, offload and throughput, in one command und
     python benchmarks/gpu_check.py --dry --out /tmp/check/   # anywhere: CPU, tiny sizes
 
 Four independent sections; each prints a markdown table, and <out>/gpu_check.json holds every
-row, note and, for a section that raised, its traceback (the other sections still run):
+row, note and, for a section that raised, its traceback (the other sections still run). The
+exit status is 1 when a section failed or a row has ok False (a summary line names them), 2 for
+bad arguments (an --out that cannot be written is found before any section runs).
 
 1. ops: `zero-report`; the fused CUDA Adam op (ops/csrc/fused_adam.cu) built and checked against
    torch.optim.AdamW / Adam (fp32, and the bf16 parameter copy it writes in the same pass) on a
@@ -14,9 +16,12 @@ row, note and, for a section that raised, its traceback (the other sections stil
    cuda:0 with gloo (NCCL refuses two ranks on one device). Parity with a single-process torch
    reference on the same global batch (fp32 1e-6; bf16 see BF16_TOLERANCE) and, on 2 ranks, the
    fraction of the gradient reduction hidden under backward.
-3. offload: optimizer offload with pin_memory at stages 2 and 3, parameter offload at stage 3:
-   parity with the reference, whether the host buffers are pinned, and the host-device copy
-   bandwidth the engine's own copies reach beside the machine's pinned-copy bandwidth.
+3. offload: optimizer offload with pin_memory at stages 2 and 3, parameter offload at stage 3,
+   optimizer offload to nvme at stage 3, parameters and optimizer on nvme at stage 3 (swap files
+   under <out>/nvme-swap, removed after the section) and optimizer offload with ratio 0.5: parity
+   with the reference, whether the host buffers are pinned, and the host-device copy bandwidth
+   the engine's own copies reach (cpu-offloaded buckets) beside the machine's pinned-copy
+   bandwidth.
 4. throughput: a GPT of about 1B parameters, bf16, stages 0 and 2 at world size 1, beside torch's
    plain AdamW loop (fp32 weights, bf16 autocast) of the same model; then the largest GPT the time
    and host memory allow with optimizer offload, and with parameter offload, at stage 3.
@@ -48,6 +53,7 @@ import os
 import pickle
 import platform
 import queue as queue_module
+import shutil
 import socket
 import statistics
 import sys
@@ -154,6 +160,7 @@ class Check:
     plan: Plan
     deadline: float = math.inf  # time.monotonic() by which the section must end
     notes: list = field(default_factory=list)
+    out: Path | None = None  # the --out directory (nvme swap files go under it)
 
     @property
     def cuda(self) -> bool:
@@ -266,8 +273,13 @@ def token_batches(shape: Shape, num_steps: int, world_size: int, seed: int = 1) 
     ]
 
 
-def zero_config(stage, dtype="fp32", micro=1, gas=1, bucket=500_000, offload=None) -> dict:
-    """The config of every zero run here; offload: None, "optimizer" or "optimizer+param"."""
+def zero_config(
+    stage, dtype="fp32", micro=1, gas=1, bucket=500_000, offload=None, nvme=None, ratio=None
+) -> dict:
+    """The config of every zero run here; offload: None, "optimizer" or "optimizer+param".
+    nvme: None (device cpu) or (nvme_path, buffer_size): the offloaded state goes to files
+    there (buffer_size, elements, for offload_param: at least the largest parameter's shard;
+    max_in_cpu 0, so every parameter shard is in a file). ratio: offload_optimizer.ratio."""
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
@@ -288,10 +300,19 @@ def zero_config(stage, dtype="fp32", micro=1, gas=1, bucket=500_000, offload=Non
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    zero_cfg = cfg["zero_optimization"]
     if offload is not None:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero_cfg["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if nvme is not None:
+            zero_cfg["offload_optimizer"].update(device="nvme", nvme_path=nvme[0], buffer_count=2)
+        if ratio is not None:
+            zero_cfg["offload_optimizer"]["ratio"] = ratio
     if offload == "optimizer+param":
-        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero_cfg["offload_param"] = {"device": "cpu", "pin_memory": True}
+        if nvme is not None:
+            zero_cfg["offload_param"].update(
+                device="nvme", nvme_path=nvme[0], buffer_count=2, buffer_size=nvme[1], max_in_cpu=0
+            )
     return cfg
 
 
@@ -658,7 +679,29 @@ def spawn_ranks(world_size: int, fn, device_type: str, args: tuple, timeout: flo
 
 
 # ----- section 3: offload ----------------------------------------------------------------------
-OFFLOAD_CASES = ((2, "optimizer"), (3, "optimizer"), (3, "optimizer+param"))
+# (stage, offload, device, ratio): device "nvme" puts the offloaded state in files.
+OFFLOAD_CASES = (
+    (2, "optimizer", "cpu", None),
+    (3, "optimizer", "cpu", None),
+    (3, "optimizer+param", "cpu", None),
+    (3, "optimizer", "nvme", None),
+    (3, "optimizer+param", "nvme", None),
+    (3, "optimizer", "cpu", 0.5),
+)
+
+
+def offload_case_name(stage, offload, device, ratio) -> str:
+    name = f"stage {stage}, offload {offload}"
+    if device != "cpu":
+        name += f" to {device}"
+    return name + (f", ratio {ratio}" if ratio is not None else "")
+
+
+def largest_param_numel(shape: Shape) -> int:
+    """Elements of the GPT's largest parameter: the (tied) token embedding, the position
+    embedding or an MLP matrix (4 d x d)."""
+    d = shape.n_embd
+    return max(shape.vocab_size * d, shape.block_size * d, 4 * d * d)
 
 
 def section_offload(check: Check) -> dict:
@@ -669,20 +712,34 @@ def section_offload(check: Check) -> dict:
     rows = [dict(case="machine", **machine)]
     if not check.cuda:
         check.notes.append("dry: no CUDA, so pin_memory leaves host buffers unpinned")
-    for stage, offload in OFFLOAD_CASES:
-        if check.time_left() < 5:
-            check.notes.append(f"stage {stage} offload {offload} skipped: section time spent")
-            continue
-        cfg = zero_config(stage, "fp32", shape.micro_batch, offload=offload)
-        engine = train_engine(shape, cfg, data, 0, check.device)
-        got = full_params(engine)
-        diff = max_difference(got, want)
-        row = {"case": f"stage {stage}, offload {offload}", "max_abs_diff": diff,
-               "tolerance": FP32_TOLERANCE, "ok": diff <= FP32_TOLERANCE}  # fmt: skip
-        row.update(engine_copy_bandwidth(check, engine))
-        del engine
-        release()
-        rows.append(row)
+    swap = Path(check.out if check.out is not None else ".") / "nvme-swap"
+    try:
+        for stage, offload, device, ratio in OFFLOAD_CASES:
+            name = offload_case_name(stage, offload, device, ratio)
+            if check.time_left() < 5:
+                check.notes.append(f"{name} skipped: section time spent")
+                continue
+            nvme = None
+            if device == "nvme":
+                swap.mkdir(parents=True, exist_ok=True)
+                nvme = (str(swap), largest_param_numel(shape))
+            cfg = zero_config(stage, "fp32", shape.micro_batch, bucket=check.plan.parity_bucket,
+                              offload=offload, nvme=nvme, ratio=ratio)  # fmt: skip
+            engine = train_engine(shape, cfg, data, 0, check.device)
+            try:
+                diff = max_difference(full_params(engine), want)
+                places = [engine.optimizer._placement(b) for b in engine.optimizer.buckets]
+                kinds = [f"{places.count(p)} {p}" for p in ("device", "cpu", "nvme") if p in places]
+                row = {"case": name, "max_abs_diff": diff, "tolerance": FP32_TOLERANCE,
+                       "ok": diff <= FP32_TOLERANCE, "buckets": ", ".join(kinds)}  # fmt: skip
+                row.update(engine_copy_bandwidth(check, engine))
+            finally:
+                engine.close()  # removes its nvme swap files
+                del engine
+                release()
+            rows.append(row)
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
     return {"rows": rows, "machine": machine}
 
 
@@ -713,8 +770,13 @@ def engine_copy_bandwidth(check: Check, engine) -> dict:
     """The engine's own host-device copies, replayed on its buffers (the values they copy are
     the ones already there): gradient shard to host (the step's D2H), fp32 master to the device
     parameter shard (H2D) or, with parameter offload, the host parameter shard to the device
-    (the gather's H2D). Best of 3, GB/s; whether every host buffer is pinned."""
-    buckets, clock = engine.optimizer.buckets, Clock(check.device)
+    (the gather's H2D). Best of 3, GB/s; whether every host buffer is pinned. Only the buckets
+    offloaded to cpu count (ratio < 1 keeps some on the device); with none (nvme), None."""
+    optimizer, clock = engine.optimizer, Clock(check.device)
+    buckets = [b for b in optimizer.buckets if optimizer._placement(b) == "cpu"]
+    if not buckets:
+        keys = ("host_buffers_pinned", "engine_d2h_GBps", "engine_h2d_GBps")
+        return dict.fromkeys(keys)
     host_bufs = [b.host_grad for b in buckets] + [b.master for b in buckets]
     param_offload = buckets[0].param_shard.device.type == "cpu" and check.cuda
     if param_offload:
@@ -918,7 +980,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.sections.split(",")) - {n for n, _ in SECTIONS}
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {[n for n, _ in SECTIONS]}")
+    if not math.isfinite(args.budget_s) or args.budget_s <= 0:
+        parser.error(f"--budget_s must be a finite number of seconds > 0, not {args.budget_s}")
+    problem = prepare_out(Path(args.out))
+    if problem:
+        parser.error(f"--out {args.out}: {problem}")
     return args
+
+
+def prepare_out(out: Path) -> str | None:
+    """Create `out` (and its parents) and write and remove a probe file in it, before any section
+    runs; what went wrong, or None."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".gpu_check-probe-{os.getpid()}"
+        probe.write_text("probe")
+        probe.unlink()
+    except OSError as error:
+        return f"cannot write there ({type(error).__name__}: {error.strerror or error})"
+    return None
+
+
+def failures(records: dict) -> list:
+    """'section' for each failed section, 'section: row' for each row with ok False."""
+    out = []
+    for name, record in records.items():
+        if record["status"] == "failed":
+            out.append(f"{name} (section failed)")
+        for row in record["rows"]:
+            if row.get("ok") is False:
+                label = row.get("case") or row.get("check") or row.get("run") or row
+                extra = {k: row[k] for k in ("mode", "world_size", "stage", "dtype") if k in row}
+                out.append(f"{name}: {label}" + (f" {extra}" if extra else ""))
+    return out
 
 
 def main(argv=None) -> int:
@@ -934,8 +1028,9 @@ def main(argv=None) -> int:
     plan = Plan.for_mode(args.dry)
     chosen = [(n, f) for n, f in SECTIONS if n in args.sections.split(",")]
     started = time.monotonic()
+    out = Path(args.out)
     records = run_sections(
-        chosen, args.budget_s, lambda deadline: Check(device, args.dry, plan, deadline),
+        chosen, args.budget_s, lambda deadline: Check(device, args.dry, plan, deadline, out=out),
         SECTION_SHARES,
     )  # fmt: skip
     result = {"meta": _meta(args, device, time.monotonic() - started), "sections": records}
@@ -946,10 +1041,12 @@ def main(argv=None) -> int:
             print(f"- {note}")
         if record.get("error"):
             print(record["error"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwrote {out / 'gpu_check.json'}")
+    failed = failures(records)
+    if failed:
+        print(f"gpu_check: FAILED: {'; '.join(failed)}")
+        return 1
     return 0
 
 

@@ -1,11 +1,14 @@
 """benchmarks/gpu_check.py --dry: the GPU check's own logic, on the CPU, before device time is
 spent on it. The dry run's JSON must hold every section with passing parity rows and sane
-figures; the section runner must record a failing section and skip one that has no time."""
+figures; the section runner must record a failing section and skip one that has no time; bad
+arguments (an unwritable --out, a budget that is not a positive number) fail before any section
+runs, and a failed section or parity row makes the exit status 1."""
 
 import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,7 @@ def dry_run(tmp_path_factory):
         timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((out / "gpu_check.json").read_text()), result.stdout
+    return json.loads((out / "gpu_check.json").read_text()), result.stdout, out
 
 
 def rows_of(report, section):
@@ -41,7 +44,7 @@ def rows_of(report, section):
 
 
 def test_every_section_ran_and_printed_its_table(dry_run):
-    report, stdout = dry_run
+    report, stdout, _ = dry_run
     assert report["meta"]["dry"] is True and report["meta"]["device"] == "cpu"
     for section in SECTIONS:
         assert rows_of(report, section), section
@@ -93,11 +96,22 @@ def test_offload_parity_and_bandwidth(dry_run):
         "stage 2, offload optimizer",
         "stage 3, offload optimizer",
         "stage 3, offload optimizer+param",
+        "stage 3, offload optimizer to nvme",
+        "stage 3, offload optimizer+param to nvme",
+        "stage 3, offload optimizer, ratio 0.5",
     ]
     for row in cases:
         assert row["ok"] and row["max_abs_diff"] <= 1e-6, row
+        if "nvme" in row["case"]:  # every bucket's state in files: no host copies to time
+            assert row["buckets"].endswith(" nvme") and "cpu" not in row["buckets"], row
+            assert row["engine_d2h_GBps"] is None and row["host_buffers_pinned"] is None, row
+            continue
         assert row["host_buffers_pinned"] is False  # dry: nothing is pinned without CUDA
         assert row["engine_d2h_GBps"] > 0 and row["engine_h2d_GBps"] > 0, row
+    ratio = cases[-1]["buckets"]  # ratio 0.5: some buckets stay on the device, some go to cpu
+    assert "device" in ratio and "cpu" in ratio, ratio
+    out = Path(dry_run[2])
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json"]  # swap dir removed
 
 
 def test_throughput_rows_and_mfu(dry_run):
@@ -140,3 +154,49 @@ def test_runner_records_a_failure_and_skips_what_has_no_time():
     assert records["b"]["rows"] == [{"x": 1}]
     skipped = script.run_sections(sections, 0.5, lambda d: None)
     assert all(r["status"] == "skipped" and "budget" in r["notes"][0] for r in skipped.values())
+
+
+def test_an_unwritable_out_fails_before_any_section(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry", "--out", str(not_a_dir / "sub")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--out" in result.stderr and "cannot write" in result.stderr, result.stderr
+    assert "## " not in result.stdout  # no section ran
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "nan", "inf"])
+def test_a_budget_that_is_not_a_positive_number_is_refused(tmp_path, capsys, budget):
+    script = load_script()
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--dry", "--out", str(tmp_path), "--budget_s", budget])
+    assert exit_info.value.code == 2
+    assert "--budget_s" in capsys.readouterr().err
+
+
+def test_a_failed_row_or_section_makes_the_exit_status_1(tmp_path, capsys, monkeypatch):
+    script = load_script()
+    monkeypatch.setattr(script.torch, "set_num_threads", lambda n: None)
+    records = {
+        "ops": {"status": "failed", "seconds": 0.1, "rows": [], "notes": [], "error": "boom"},
+        "stages": {"status": "ok", "seconds": 0.1, "notes": [], "rows": [
+            {"world_size": 2, "stage": 3, "dtype": "fp32", "ok": False},
+            {"world_size": 1, "stage": 3, "dtype": "fp32", "ok": True}]},
+    }  # fmt: skip
+    monkeypatch.setattr(script, "run_sections", lambda *args: records)
+    assert script.main(["--dry", "--out", str(tmp_path), "--sections", "ops,stages"]) == 1
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary.startswith("gpu_check: FAILED") and "ops (section failed)" in summary
+    assert "'world_size': 2" in summary and "'world_size': 1" not in summary
+    written = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert written["sections"]["stages"]["rows"][0]["ok"] is False  # written before exiting
+    records["ops"] = {"status": "ok", "seconds": 0.1, "rows": [{"ok": True}], "notes": []}
+    records["stages"]["rows"].pop(0)
+    assert script.main(["--dry", "--out", str(tmp_path), "--sections", "ops,stages"]) == 0
