@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError
+from .config import AioConfig, ConfigError
 
 ALIGN_BYTES = 4096
 # Free space asked for beyond the files' bytes, once per directory (filesystem metadata).
@@ -69,8 +69,8 @@ class OptimizerOffload:
     device: "cpu" or "nvme" [offload_optimizer.device]; ratio: the fraction of this rank's owned
     elements offloaded, the rest (the first buckets) stays on the device [offload_optimizer.
     ratio]; pin_memory: page-lock host buffers (CUDA only) [offload_optimizer.pin_memory];
-    nvme_path, buffer_count [offload_optimizer.*]; block_size (bytes), queue_depth, threads
-    [aio.block_size, aio.queue_depth, aio.intra_op_parallelism].
+    nvme_path, buffer_count [offload_optimizer.*]; aio: the config's aio block (block_size in
+    bytes, queue_depth, intra_op_parallelism).
     """
 
     device: str
@@ -78,9 +78,7 @@ class OptimizerOffload:
     pin_memory: bool = False
     nvme_path: str | None = None
     buffer_count: int = 4
-    block_size: int = 1 << 20
-    queue_depth: int = 8
-    threads: int = 1
+    aio: AioConfig = AioConfig()
 
     @classmethod
     def from_config(cls, config) -> OptimizerOffload | None:
@@ -98,9 +96,7 @@ class OptimizerOffload:
             pin_memory=block.pin_memory,
             nvme_path=block.nvme_path,
             buffer_count=block.buffer_count,
-            block_size=config.aio.block_size,
-            queue_depth=config.aio.queue_depth,
-            threads=config.aio.intra_op_parallelism,
+            aio=config.aio,
         )
 
     def placement(self, shard_numels: list[int]) -> list[str]:
@@ -275,14 +271,17 @@ def _close_live() -> None:
 class SwapStore:
     """The files of one rank's run: one per (bucket index, kind), read and written with
     zero.ops.aio (asynchronous; Request.wait() finishes one). policy: any object with
-    nvme_path, pin_memory, block_size, queue_depth, threads (OptimizerOffload, ParamOffload)."""
+    nvme_path, pin_memory and aio (OptimizerOffload, ParamOffload)."""
 
     def __init__(self, policy: OptimizerOffload, rank: int):
         from zero.ops.aio import AsyncFileIO
 
         self.directory = SwapDirectory(policy.nvme_path, rank)
+        aio = policy.aio
         self.io = AsyncFileIO(
-            block_size=policy.block_size, queue_depth=policy.queue_depth, threads=policy.threads
+            block_size=aio.block_size,
+            queue_depth=aio.queue_depth,
+            threads=aio.intra_op_parallelism,
         )
         self.pin = policy.pin_memory and torch.cuda.is_available()
         self.files: dict[tuple[int, str], object] = {}

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError
+from .config import AioConfig, ConfigError
 from .nvme import SwapStore, check_nvme_path, padded_bytes
 
 KEY = "zero_optimization.offload_param"
@@ -52,8 +52,7 @@ class ParamOffload:
     """Where stage-3 parameter shards live with offload_param.device "nvme", from the config.
 
     nvme_path, buffer_count, buffer_size (elements), max_in_cpu (elements), pin_memory
-    [offload_param.*]; block_size (bytes), queue_depth, threads [aio.block_size,
-    aio.queue_depth, aio.intra_op_parallelism].
+    [offload_param.*]; aio: the config's aio block.
     """
 
     nvme_path: str
@@ -61,9 +60,7 @@ class ParamOffload:
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
     pin_memory: bool = False
-    block_size: int = 1 << 20
-    queue_depth: int = 8
-    threads: int = 1
+    aio: AioConfig = AioConfig()
 
     @classmethod
     def from_config(cls, config) -> ParamOffload | None:
@@ -76,9 +73,7 @@ class ParamOffload:
             buffer_size=block.buffer_size,
             max_in_cpu=block.max_in_cpu,
             pin_memory=block.pin_memory,
-            block_size=config.aio.block_size,
-            queue_depth=config.aio.queue_depth,
-            threads=config.aio.intra_op_parallelism,
+            aio=config.aio,
         )
 
 
