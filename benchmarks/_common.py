@@ -39,6 +39,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def evict(path: str) -> None:
+    """Drop the (clean, fsync'ed) page-cache pages of every file under path; no root needed."""
+    files = [path] if os.path.isfile(path) else [str(f) for f in Path(path).rglob("*")]
+    for file in files:
+        if os.path.isfile(file):
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def init_rank(
     rank: int, world_size: int, port: int, device: str = "cpu", threads: int | None = None
 ) -> torch.device:

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import torch
+from _common import evict
 
 from zero.ops.aio import AsyncFileIO, available_backends, direct_io_supported
 
@@ -41,28 +42,19 @@ def _parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _time_op(args, backend, direct, data, back, path) -> tuple[float, float]:
     io = AsyncFileIO(args.block_size, args.queue_depth, args.threads, direct, backend)
     nbytes = data.numel()
     try:
         file = io.open(path, nbytes)
-        _drop_cache(path)  # fallocate's zeroed pages are not part of the write
+        evict(path)  # fallocate's zeroed pages are not part of the write
         start = time.perf_counter()
         file.write(data).wait()
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
         write_s = time.perf_counter() - start
-        _drop_cache(path)
+        evict(path)
         back.zero_()
         start = time.perf_counter()
         file.read(back).wait()

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from _common import free_port, init_rank  # noqa: E402
+from _common import evict, free_port, init_rank  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import zero  # noqa: E402
@@ -94,19 +94,6 @@ def filesystem(path: str) -> str:
 
 def dir_bytes(path: str) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
-def evict(path: str) -> None:
-    """Drop the (clean, fsync'ed) page-cache pages of every file under path; no root needed."""
-    files = [path] if os.path.isfile(path) else [str(f) for f in Path(path).rglob("*")]
-    for file in files:
-        if os.path.isfile(file):
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 # ----- measurement ------------------------------------------------------------------------------
