@@ -134,22 +134,12 @@ def status_bytes(key: str) -> int:
 
 def trial_rank(rank: int, world_size: int, port: int, spec: dict, results) -> None:
     """One rank of one trial: imports, process group, cap, then build and --steps steps."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        CUDA_VISIBLE_DEVICES="",
-        DS_ACCELERATOR="cpu",
-    )
+    os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     import torch
     import torch.distributed as dist
+    from _common import init_rank, make_batches
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    from _common import make_batches
+    init_rank(rank, world_size, port, "cpu", threads=1)
     from side_by_side import build_one
 
     from zero.optim import resolve_optimizer
