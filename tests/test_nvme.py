@@ -23,26 +23,13 @@ import textwrap
 import pytest
 import torch
 from distributed import run_ranks
+from test_offload import config
 from test_stages import Net, batches, param_groups
 
 import zero
 from zero.config import ConfigError
 
 STEPS = 3
-
-
-def config(stage, gas, offload=None):
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
-    }
-    if offload is not None:
-        cfg["zero_optimization"]["offload_optimizer"] = offload
-    return cfg
 
 
 def make_engine(cfg):

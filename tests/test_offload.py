@@ -27,9 +27,9 @@ def run(stage, dtype, gas, offload, offload_param=False, resume=None):
     return history, kind, devices
 
 
-def _train(stage, dtype, gas, offload, offload_param, steps, load=None):
-    torch.manual_seed(0)
-    model = Net()
+def config(stage, gas, offload=None):
+    """The config of the offload tests (test_nvme's too): Net, AdamW, clipping, small buckets;
+    `offload`: the offload_optimizer block, if any."""
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
@@ -38,8 +38,15 @@ def _train(stage, dtype, gas, offload, offload_param, steps, load=None):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
     }
-    if offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload is not None:
+        cfg["zero_optimization"]["offload_optimizer"] = offload
+    return cfg
+
+
+def _train(stage, dtype, gas, offload, offload_param, steps, load=None):
+    torch.manual_seed(0)
+    model = Net()
+    cfg = config(stage, gas, {"device": "cpu", "pin_memory": True} if offload else None)
     if offload_param:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if dtype in ("bf16", "bf16-accum"):
