@@ -187,11 +187,21 @@ def build_ddp(args, dtype: str, hyper: dict, bucket_cap_mb: float, device=None):
     ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
     optimizer = torch_adamw(ddp.parameters(), hyper)
 
-    def step(x, y):
+    def forward(x, y):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = ddp(x, y)
+            return ddp(x, y)
+
+    return torch_step(forward, ddp, optimizer)
+
+
+def torch_step(forward, model, optimizer):
+    """step(x, y) -> loss of a plain torch loop: forward, backward, clip_grad_norm_(CLIP),
+    optimizer step, zero_grad(set_to_none=True)."""
+
+    def step(x, y):
+        loss = forward(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -214,14 +224,7 @@ def build_fsdp2(args, dtype: str, hyper: dict, device=None):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     optimizer = torch_adamw(model.parameters(), hyper)
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = torch_step(model, model, optimizer)
 
     def state_bytes() -> int:
         """Local shard bytes of parameters and AdamW state (gradients are freed by
