@@ -605,7 +605,7 @@ def replay_reductions(engine) -> None:
     for bucket in optimizer.buckets:
         numel = bucket.layout.padded_numel
         dtype = settings.reduce_dtype if settings.stage >= 2 else settings.accum_dtype
-        scratch = torch.zeros(numel, dtype=dtype, device=bucket.grad_shard.device)
+        scratch = torch.zeros(numel, dtype=dtype, device=bucket.grad_device)
         if settings.stage == 0:
             optimizer.comm.all_reduce(scratch)
         else:
@@ -782,9 +782,14 @@ def engine_copy_bandwidth(check: Check, engine) -> dict:
     if param_offload:
         host_bufs += [b.param_shard for b in buckets]
 
+    # Gradient buffers exist only within a step: stand-ins of the same size, dtype and device.
+    grads = [
+        torch.zeros(b.layout.shard_numel, dtype=b.grad_dtype, device=b.grad_device) for b in buckets
+    ]
+
     def d2h():
-        for b in buckets:
-            b.host_grad.copy_(b.grad_shard, non_blocking=b.host_grad.is_pinned())
+        for b, grad in zip(buckets, grads):
+            b.host_grad.copy_(grad, non_blocking=b.host_grad.is_pinned())
 
     def h2d():
         for b in buckets:
@@ -794,7 +799,7 @@ def engine_copy_bandwidth(check: Check, engine) -> dict:
                 b.param_shard.copy_(b.master, non_blocking=b.master.is_pinned())
 
     out = {"host_buffers_pinned": all(t.is_pinned() for t in host_bufs)}
-    d2h_bytes = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in buckets)
+    d2h_bytes = sum(g.numel() * g.element_size() for g in grads)
     h2d_src = [b.param_shard if param_offload else b.master for b in buckets]
     h2d_bytes = sum(t.numel() * t.element_size() for t in h2d_src)
     for name, action, size in (("d2h", d2h, d2h_bytes), ("h2d", h2d, h2d_bytes)):

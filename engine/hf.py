@@ -113,7 +113,7 @@ class _Places:
         """(Communicator, device of its collectives) of the ranks the model is partitioned over,
         or (None, None) for a model that is not."""
         if self.optimizer is not None:
-            devices = [b.grad_shard.device for b in self.optimizer.buckets]
+            devices = [b.grad_device for b in self.optimizer.buckets]
             return self.optimizer.comm, devices[0] if devices else torch.device("cpu")
         if self._init_shard is not None:
             return self._init_shard.comm, self._init_shard.comm_device

@@ -11,6 +11,17 @@ One code path serves three policies:
 The gradient buffers are in the accumulation dtype [data_types.grad_accum_dtype]: fp32 by
 default, or the 2-byte compute dtype (the paper's 2-byte gradients; [Note: 2-byte gradients]).
 
+[Note: gradient lifetime]
+A bucket's gradient buffer (the accumulation buffer in stages 0 and 1, the owned reduced shard
+in stages 2 and 3) exists from the first gradient of an optimizer step to the end of step(),
+not across steps: it is made when the step's first gradient reaches the bucket (stages 0-1,
+zero-filled) or when its first reduction lands (stages 2-3, written by the reduce-scatter, no
+fill), and dropped once the optimizer has used it. So the next forward's activations use the
+memory the gradients used, and in backward the gradients grow while the activations are freed;
+a rank's peak is then about params + optimizer state + max(activations, gradients) instead of
+their sum (PyTorch's optimizer.zero_grad(set_to_none=True) does the same for a plain model).
+Bytes per element are the same (model_state_bytes counts the buffers at their size).
+
 In every stage a rank keeps fp32 master weights and optimizer state only for the slices it owns
 (stage 0 owns everything), steps the optimizer on them, and all-gathers the updated slices back
 into the low-precision parameter buffers (see flat.py for the ownership layout).
@@ -95,7 +106,7 @@ class ScaledGrads:
         return len(self.buckets)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        shard = self.buckets[index].grad_shard
+        shard = self.buckets[index].reduced_grad()
         assert shard.dtype != torch.float32, "ScaledGrads would scale an fp32 shard in place"
         return shard.to(torch.float32).mul_(self.factor)
 
@@ -165,9 +176,11 @@ class Bucket:
     master: (shard_numel,) fp32 owned weights the optimizer updates; aliases the owned slice of
         param_buffer when the compute dtype is fp32 (no copy, no cast).
     grad_shard: (shard_numel,) accumulation dtype (fp32 or 2-byte), owned, reduced gradient; a
-        view of the accumulation buffer in stages 0 (all of it) and 1 (the owned slice).
+        view of the accumulation buffer in stages 0 (all of it) and 1 (the owned slice). None
+        between steps ([Note: gradient lifetime]).
     accum: (padded_numel,) accumulation dtype, gradient accumulated over micro-batches (stages 0
-        and 1 only).
+        and 1 only; None between steps).
+    grad_device, grad_dtype: where and in which dtype the gradient buffers are made.
     host_grad: (shard_numel,) fp32 host copy of the unscaled, clipped owned gradient (offload).
     """
 
@@ -175,6 +188,7 @@ class Bucket:
         self.layout = layout
         self.params = params
         self.param_buffer = param_buffer
+        self.shard = shard
         begin, end = layout.owned_range(shard)
         # Stages 0-2: a view of the persistent parameter buffer. Stage 3: its own storage; the
         # full buffer exists only while the bucket's unit is gathered (engine/stage3.py).
@@ -183,6 +197,8 @@ class Bucket:
         self.host_grad = None  # offload: host copy of grad_shard the host optimizer reads
         self.accum = None
         self.grad_shard = None
+        self.grad_device = param_buffer.device
+        self.grad_dtype = torch.float32
         self.staging = None
         self.recv = None
         self.handle = Handle()
@@ -195,17 +211,44 @@ class Bucket:
         self.stage = stage
 
     def fill_target(self, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer a gradient of this micro-batch goes to. Stage 2 allocates it uninitialized:
-        the first gradient of each parameter is copied in, and complete_staging() zeroes what no
-        gradient covered before the bucket is reduced."""
+        """The buffer a gradient of this micro-batch goes to: stages 0-1 the accumulation buffer
+        (made zero-filled at the step's first gradient); stages 2-3 a staging buffer allocated
+        uninitialized: the first gradient of each parameter is copied in, and
+        complete_staging() zeroes what no gradient covered before the bucket is reduced."""
         if self.stage < 2:
-            return self.accum
+            return self.accumulator()
         if self.staging is None:
             # On the gradients' device: with offload_param the parameter shard is on the host.
             self.staging = torch.empty(
-                self.layout.padded_numel, dtype=dtype, device=self.grad_shard.device
+                self.layout.padded_numel, dtype=dtype, device=self.grad_device
             )
         return self.staging
+
+    def accumulator(self) -> torch.Tensor:
+        """Stages 0-1: the (padded_numel,) accumulation buffer, made zero-filled when the step
+        has none yet; grad_shard becomes its owned view (all of it at stage 0)."""
+        if self.accum is None:
+            self.accum = torch.zeros(
+                self.layout.padded_numel, dtype=self.grad_dtype, device=self.grad_device
+            )
+            begin, end = self.layout.owned_range(self.shard) if self.stage == 1 else (0, None)
+            self.grad_shard = self.accum[begin:end]
+        return self.accum
+
+    def reduced_grad(self) -> torch.Tensor:
+        """The (shard_numel,) owned gradient for step(): zeros when no gradient reached the
+        bucket since the last step (step() without backward)."""
+        if self.stage < 2:
+            self.accumulator()
+        elif self.grad_shard is None:
+            self.grad_shard = torch.zeros(
+                self.layout.shard_numel, dtype=self.grad_dtype, device=self.grad_device
+            )
+        return self.grad_shard
+
+    def drop_gradients(self) -> None:
+        """The step used the gradients: free them ([Note: gradient lifetime])."""
+        self.accum = self.grad_shard = None
 
     def complete_staging(self, dtype: torch.dtype) -> torch.Tensor:
         """Stage 2: zero the padding and the parameters that got no gradient; return the buffer."""
@@ -256,7 +299,6 @@ class ZeroOptimizer:
         self.reduce_comm: Communicator = comm  # where gradients are reduced (attach_gatherer)
         self._accepting_grads = False
         self._reduce_this_micro_batch = False
-        self._first_reduce = True
         self._next_launch = 0
         self._in_flight: deque[Bucket] = deque()
         self._names: dict[int, str] = {}
@@ -331,22 +373,12 @@ class ZeroOptimizer:
         else:  # a separate fp32 copy (also for fp32 shards in files: the master stays here)
             bucket.master = full[begin:end].clone()
         del full
-        accum_dtype = self.settings.accum_dtype
-        if self.settings.stage < 2:
-            bucket.accum = torch.zeros(layout.padded_numel, dtype=accum_dtype, device=device)
-        if self.settings.stage == 0:
-            bucket.grad_shard = bucket.accum
-        elif self.settings.stage == 1:
-            # Reduce-scatter in place: the owned slice of the accumulation buffer receives the
-            # reduced gradient, so stage 1 holds no second gradient buffer.
-            bucket.grad_shard = bucket.accum[begin:end]
-        else:
-            bucket.grad_shard = torch.zeros(layout.shard_numel, dtype=accum_dtype, device=device)
-        # A 2-byte shard cannot be the fp32 master's .grad: step() binds an fp32 copy.
+        # Stage 1 reduce-scatters in place: the owned slice of the accumulation buffer receives
+        # the reduced gradient, so it holds no second gradient buffer. The buffers themselves
+        # are made during backward ([Note: gradient lifetime]); step() binds the master's .grad.
+        bucket.grad_device, bucket.grad_dtype = device, self.settings.accum_dtype
         if where == "cpu":
             bucket.master.grad = bucket.host_grad
-        elif where == "device" and accum_dtype == torch.float32:
-            bucket.master.grad = bucket.grad_shard
         if self.settings.stage == 3:
             bucket.param_buffer = None
             return
@@ -443,8 +475,8 @@ class ZeroOptimizer:
         slot = bucket.layout.slots[index]
         target = bucket.fill_target(self.settings.reduce_dtype)
         view = target[slot.offset : slot.offset + slot.numel]
-        if bucket.accum is None and not bucket.arrived[index]:
-            view.copy_(param.grad.reshape(-1))  # stage 2: first gradient into fresh staging
+        if bucket.stage >= 2 and not bucket.arrived[index]:
+            view.copy_(param.grad.reshape(-1))  # stages 2-3: first gradient into fresh staging
         else:
             view.add_(param.grad.reshape(-1))
         param.grad = None
@@ -468,18 +500,18 @@ class ZeroOptimizer:
         """Start the bucket's reduction (asynchronous; finished by _finish)."""
         bucket.state = BucketState.REDUCING
         if self.settings.stage == 0:
-            bucket.handle = self.comm.all_reduce(bucket.accum, async_op=True)
+            bucket.handle = self.comm.all_reduce(bucket.accumulator(), async_op=True)
         elif self.settings.stage == 1:
-            bucket.handle = self.comm.reduce_scatter(bucket.grad_shard, bucket.accum, True)
+            accum = bucket.accumulator()
+            bucket.handle = self.comm.reduce_scatter(bucket.grad_shard, accum, True)
         else:
             source = bucket.complete_staging(self.settings.reduce_dtype)
-            direct = self._first_reduce and source.dtype == bucket.grad_shard.dtype
-            if direct:
-                output = bucket.grad_shard
+            output = torch.empty(
+                bucket.layout.shard_numel, dtype=source.dtype, device=source.device
+            )
+            if bucket.grad_shard is None and source.dtype == bucket.grad_dtype:
+                bucket.grad_shard = output  # the step's first reduction: nothing to add to
             else:
-                output = torch.empty(
-                    bucket.layout.shard_numel, dtype=source.dtype, device=source.device
-                )
                 bucket.recv = output
             bucket.handle = self.reduce_comm.reduce_scatter(output, source, async_op=True)
         self._in_flight.append(bucket)
@@ -500,8 +532,8 @@ class ZeroOptimizer:
             what = f"the gradient reduce-scatter of bucket {bucket.layout.index}"
             raise collective_failure(self.comm.rank, what, error) from error
         if bucket.recv is not None:
-            if self._first_reduce:
-                bucket.grad_shard.copy_(bucket.recv)
+            if bucket.grad_shard is None:
+                bucket.grad_shard = bucket.recv.to(bucket.grad_dtype)
             else:
                 bucket.grad_shard.add_(bucket.recv)
             bucket.recv = None
@@ -537,7 +569,6 @@ class ZeroOptimizer:
             raise
         if pending is not None:
             pending.finish()
-        self._first_reduce = False
         self.grads_reduced = self._at_boundary
         if self.gatherer is not None:
             self.gatherer.release_all()
@@ -583,7 +614,7 @@ class ZeroOptimizer:
     def _fp32_grad(bucket: Bucket) -> torch.Tensor:
         """(shard_numel,) fp32: the owned reduced gradient itself with fp32 accumulation, else a
         transient fp32 copy of the 2-byte shard ([Note: 2-byte gradients])."""
-        shard = bucket.grad_shard
+        shard = bucket.reduced_grad()
         return shard if shard.dtype == torch.float32 else shard.to(torch.float32)
 
     def _optimizer_step(self, grads: list[torch.Tensor]) -> None:
@@ -593,13 +624,11 @@ class ZeroOptimizer:
             self.offloader.step(self, grads)
             return
         if not self.settings.offload:
-            transient = self.settings.accum_dtype != torch.float32
             for bucket, grad in zip(self.buckets, grads):
                 bucket.master.grad = grad
             self.optimizer.step()
-            if transient:  # free the fp32 copies: the 2-byte shards stay the only gradient
-                for bucket in self.buckets:
-                    bucket.master.grad = None
+            for bucket in self.buckets:  # the gradients (or their fp32 copies) go after the step
+                bucket.master.grad = None
             self.refresh_params()
             return
         for bucket, grad in zip(self.buckets, grads):
@@ -629,7 +658,7 @@ class ZeroOptimizer:
         collective method called between backward and step makes every rank raise instead of
         waiting); with model parallelism a second sum over the model-parallel group follows
         (zero.mpu)."""
-        device = self.buckets[0].grad_shard.device if self.buckets else "cpu"
+        device = self.buckets[0].grad_device if self.buckets else "cpu"
         squares = torch.zeros(1, dtype=torch.float32, device=device)
         model_parallel = self.settings.model_parallel
         shard_index = self.layout.shard_of(self.comm.rank)
@@ -692,12 +721,9 @@ class ZeroOptimizer:
         del set_to_none
 
     def clear_gradients(self) -> None:
-        """Zero the accumulated and reduced gradients (after the optimizer step used them)."""
+        """Drop the accumulated and reduced gradients (after the optimizer step used them)."""
         for bucket in self.buckets:
-            bucket.grad_shard.zero_()
-            if bucket.accum is not None:
-                bucket.accum.zero_()  # includes grad_shard in stages 0 and 1
-        self._first_reduce = True
+            bucket.drop_gradients()
         self.grads_reduced = False
 
     # ----- introspection ------------------------------------------------------------------
@@ -713,16 +739,18 @@ class ZeroOptimizer:
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes per rank held for model states, by kind: {"params", "grads", "master",
-        "optimizer_state"} -> bytes, measured from the tensors themselves (gradients in the
-        accumulation dtype, 2 or 4 bytes per element; step()'s transient fp32 copy is not held).
-        Not a collective."""
+        "optimizer_state"} -> bytes, measured from the tensors themselves; "grads" is the size of
+        the gradient buffers, which exist from a step's first gradient to the end of step()
+        ([Note: gradient lifetime]), in the accumulation dtype (2 or 4 bytes per element;
+        step()'s transient fp32 copy is not held). Not a collective."""
         param = sum(
             (b.param_shard if self.settings.stage == 3 else b.param_buffer).numel()
             * b.param_shard.element_size()
             for b in self.buckets
         )
         grad = sum(
-            (b.grad_shard if b.accum is None else b.accum).numel() * b.grad_shard.element_size()
+            (b.layout.padded_numel if self.settings.stage < 2 else b.layout.shard_numel)
+            * b.grad_dtype.itemsize
             for b in self.buckets
         )
         master = sum(b.master.numel() * 4 for b in self.buckets if b.master is not b.param_shard)

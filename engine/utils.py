@@ -101,7 +101,7 @@ class _Target(NamedTuple):
     @property
     def device(self) -> torch.device:
         """The compute device (the gradient shard's; the master is on the host with offload)."""
-        return self.bucket.grad_shard.device
+        return self.bucket.grad_device
 
 
 def _target(param, caller: str) -> _Target:

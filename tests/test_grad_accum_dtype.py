@@ -126,9 +126,9 @@ def sweep_parity():
                 engine.backward(engine(x, y, use_extra=use_extra))
                 if s == 0 and m == gas - 1:  # inside the safe_get window: averaged, fp32
                     full_grad = zero.utils.safe_get_full_grad(engine.module.proj.weight)
+                    shard_dtypes = {str(b.grad_shard.dtype) for b in engine.optimizer.buckets}
                 engine.step()
             norms.append(engine.get_global_grad_norm())
-        shard_dtypes = {str(b.grad_shard.dtype) for b in engine.optimizer.buckets}
         out.append((dtype, stage, gas, _full_params(engine), norms, full_grad, shard_dtypes))
     return out
 

@@ -192,6 +192,6 @@ def test_gradient_staging_is_on_the_gradients_device_when_parameters_are_offload
     buffer = torch.empty(layout.padded_numel, device="meta")
     bucket = Bucket(layout, params, buffer, shard=0, stage=3)
     bucket.param_shard = torch.zeros(layout.shard_numel)  # offloaded: on the host
-    bucket.grad_shard = torch.zeros(layout.shard_numel, device="meta")
+    bucket.grad_device = torch.device("meta")
     assert bucket.fill_target(torch.float32).device.type == "meta"
     assert bucket.complete_staging(torch.float32).device.type == "meta"
