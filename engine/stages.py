@@ -14,12 +14,13 @@ default, or the 2-byte compute dtype (the paper's 2-byte gradients; [Note: 2-byt
 [Note: gradient lifetime]
 A bucket's gradient buffer (the accumulation buffer in stages 0 and 1, the owned reduced shard
 in stages 2 and 3) exists from the first gradient of an optimizer step to the end of step(),
-not across steps: it is made when the step's first gradient reaches the bucket (stages 0-1,
-zero-filled) or when its first reduction lands (stages 2-3, written by the reduce-scatter, no
-fill), and dropped once the optimizer has used it. So the next forward's activations use the
-memory the gradients used, and in backward the gradients grow while the activations are freed;
-a rank's peak is then about params + optimizer state + max(activations, gradients) instead of
-their sum (PyTorch's optimizer.zero_grad(set_to_none=True) does the same for a plain model).
+not across steps: it is made when the step's first gradient reaches the bucket (stages 0-1) or
+when its first reduction lands (stages 2-3, written by the reduce-scatter), and dropped once the
+optimizer has used it. No buffer is zero-filled: a parameter's first gradient is copied in,
+later ones added, and what no gradient covered is zeroed before the reduction (complete_fill).
+So the forward's activations reuse the memory the gradients used, and backward frees
+activations while gradients appear: a rank never holds both in full (PyTorch's
+optimizer.zero_grad(set_to_none=True) does the same for a plain model).
 Bytes per element are the same (model_state_bytes counts the buffers at their size).
 
 In every stage a rank keeps fp32 master weights and optimizer state only for the slices it owns
@@ -199,7 +200,8 @@ class Bucket:
         self.grad_shard = None
         self.grad_device = param_buffer.device
         self.grad_dtype = torch.float32
-        self.staging = None
+        self.staging = None  # stages 2-3: this micro-batch's gradients, until reduced
+        self.written = [False] * len(params)  # per parameter: has a gradient in the fill buffer
         self.recv = None
         self.handle = Handle()
         self.pending = None  # stage 3: the all-gather of param_buffer in flight (prefetch)
@@ -210,36 +212,52 @@ class Bucket:
         self.complete = False  # stage 3: its unit's backward is done (missing gradients: zero)
         self.stage = stage
 
-    def fill_target(self, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer a gradient of this micro-batch goes to: stages 0-1 the accumulation buffer
-        (made zero-filled at the step's first gradient); stages 2-3 a staging buffer allocated
-        uninitialized: the first gradient of each parameter is copied in, and
-        complete_staging() zeroes what no gradient covered before the bucket is reduced."""
+    def add_gradient(self, index: int, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        """Add parameter `index`'s gradient into the fill buffer: stages 0-1 the accumulation
+        buffer (kept over the step's micro-batches), stages 2-3 this micro-batch's staging
+        buffer (reduce_dtype `dtype`). A fill buffer is made uninitialized: a parameter's first
+        gradient into it is copied, later ones added, and complete_fill() zeroes the rest."""
+        target = self._fill_target(dtype)
+        slot = self.layout.slots[index]
+        view = target[slot.offset : slot.offset + slot.numel]
+        if self.written[index]:
+            view.add_(grad.reshape(-1))
+        else:
+            view.copy_(grad.reshape(-1))
+            self.written[index] = True
+
+    def _fill_target(self, dtype: torch.dtype) -> torch.Tensor:
         if self.stage < 2:
-            return self.accumulator()
+            if self.accum is None:
+                self.accum = self._fresh(self.grad_dtype)
+                begin, end = self.layout.owned_range(self.shard) if self.stage == 1 else (0, None)
+                self.grad_shard = self.accum[begin:end]  # stage 1 reduce-scatters in place
+            return self.accum
         if self.staging is None:
-            # On the gradients' device: with offload_param the parameter shard is on the host.
-            self.staging = torch.empty(
-                self.layout.padded_numel, dtype=dtype, device=self.grad_device
-            )
+            self.staging = self._fresh(dtype)
         return self.staging
 
-    def accumulator(self) -> torch.Tensor:
-        """Stages 0-1: the (padded_numel,) accumulation buffer, made zero-filled when the step
-        has none yet; grad_shard becomes its owned view (all of it at stage 0)."""
-        if self.accum is None:
-            self.accum = torch.zeros(
-                self.layout.padded_numel, dtype=self.grad_dtype, device=self.grad_device
-            )
-            begin, end = self.layout.owned_range(self.shard) if self.stage == 1 else (0, None)
-            self.grad_shard = self.accum[begin:end]
-        return self.accum
+    def _fresh(self, dtype: torch.dtype) -> torch.Tensor:
+        # On the gradients' device: with offload_param the parameter shard is on the host.
+        self.written = [False] * len(self.params)
+        return torch.empty(self.layout.padded_numel, dtype=dtype, device=self.grad_device)
+
+    def complete_fill(self, dtype: torch.dtype) -> torch.Tensor:
+        """The fill buffer to reduce, with the padding and the parameters that got no gradient
+        zeroed (all of it when none did)."""
+        target = self._fill_target(dtype)
+        for slot, written in zip(self.layout.slots, self.written):
+            if not written:
+                target[slot.offset : slot.offset + slot.numel].zero_()
+        target[self.layout.numel :].zero_()
+        self.written = [True] * len(self.params)
+        return target
 
     def reduced_grad(self) -> torch.Tensor:
         """The (shard_numel,) owned gradient for step(): zeros when no gradient reached the
         bucket since the last step (step() without backward)."""
-        if self.stage < 2:
-            self.accumulator()
+        if self.stage < 2 and self.accum is None:
+            self.complete_fill(self.grad_dtype)
         elif self.grad_shard is None:
             self.grad_shard = torch.zeros(
                 self.layout.shard_numel, dtype=self.grad_dtype, device=self.grad_device
@@ -249,15 +267,6 @@ class Bucket:
     def drop_gradients(self) -> None:
         """The step used the gradients: free them ([Note: gradient lifetime])."""
         self.accum = self.grad_shard = None
-
-    def complete_staging(self, dtype: torch.dtype) -> torch.Tensor:
-        """Stage 2: zero the padding and the parameters that got no gradient; return the buffer."""
-        staging = self.fill_target(dtype)
-        for slot, arrived in zip(self.layout.slots, self.arrived):
-            if not arrived:
-                staging[slot.offset : slot.offset + slot.numel].zero_()
-        staging[self.layout.numel :].zero_()
-        return staging
 
     def reset_arrivals(self) -> None:
         self.arrived = [False] * len(self.params)
@@ -472,13 +481,7 @@ class ZeroOptimizer:
                 "bucket was reduced in this backward (a parameter used both inside and outside "
                 "a reentrant checkpoint); use non-reentrant activation checkpointing"
             )
-        slot = bucket.layout.slots[index]
-        target = bucket.fill_target(self.settings.reduce_dtype)
-        view = target[slot.offset : slot.offset + slot.numel]
-        if bucket.stage >= 2 and not bucket.arrived[index]:
-            view.copy_(param.grad.reshape(-1))  # stages 2-3: first gradient into fresh staging
-        else:
-            view.add_(param.grad.reshape(-1))
+        bucket.add_gradient(index, param.grad, self.settings.reduce_dtype)
         param.grad = None
         if not bucket.arrived[index]:
             bucket.arrived[index] = True
@@ -499,13 +502,12 @@ class ZeroOptimizer:
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's reduction (asynchronous; finished by _finish)."""
         bucket.state = BucketState.REDUCING
+        source = bucket.complete_fill(self.settings.reduce_dtype)
         if self.settings.stage == 0:
-            bucket.handle = self.comm.all_reduce(bucket.accumulator(), async_op=True)
+            bucket.handle = self.comm.all_reduce(source, async_op=True)
         elif self.settings.stage == 1:
-            accum = bucket.accumulator()
-            bucket.handle = self.comm.reduce_scatter(bucket.grad_shard, accum, True)
+            bucket.handle = self.comm.reduce_scatter(bucket.grad_shard, source, True)
         else:
-            source = bucket.complete_staging(self.settings.reduce_dtype)
             output = torch.empty(
                 bucket.layout.shard_numel, dtype=source.dtype, device=source.device
             )
@@ -537,7 +539,7 @@ class ZeroOptimizer:
             else:
                 bucket.grad_shard.add_(bucket.recv)
             bucket.recv = None
-        bucket.staging = None  # stage 2: the full-size gradient is freed once reduced
+        bucket.staging = None  # stages 2-3: the full-size gradient is freed once reduced
         bucket.state = BucketState.REDUCED
 
     def abandon_backward(self) -> None:

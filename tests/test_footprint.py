@@ -105,6 +105,24 @@ def test_stage2_staging_matches_engine():
     assert max(live) == buffer_bytes(layout, settings)["gradient staging"] == 3 * 72 * 4
 
 
+def test_gradient_buffers_live_from_first_gradient_to_end_of_step():
+    # [Note: gradient lifetime]: no gradient buffer survives step(), so the next forward's
+    # activations can use the memory; accumulation over micro-batches still works.
+    for stage in range(4):
+        engine = _engine(_chain(3), stage=stage, bucket=72, accumulation=2)
+        buckets = engine.optimizer.buckets
+        for step in range(2):
+            assert all(b.grad_shard is None and b.accum is None for b in buckets), stage
+            engine.backward(engine(torch.randn(2, 8)).square().mean())
+            engine.step()  # not the boundary: the gradients stay
+            held = [StorageWeakRef(b.grad_shard.untyped_storage()) for b in buckets]
+            assert all(not ref.expired() for ref in held), stage  # before the boundary step
+            engine.backward(engine(torch.randn(2, 8)).square().mean())
+            engine.step()
+            gc.collect()
+            assert all(ref.expired() for ref in held), (stage, step)
+
+
 def _gathered_storages(engine) -> list:
     """Weak references to every gathered buffer that a forward of `engine` creates."""
     storages = []
