@@ -193,5 +193,5 @@ def test_gradient_staging_is_on_the_gradients_device_when_parameters_are_offload
     bucket = Bucket(layout, params, buffer, shard=0, stage=3)
     bucket.param_shard = torch.zeros(layout.shard_numel)  # offloaded: on the host
     bucket.grad_device = torch.device("meta")
-    bucket.add_gradient(0, torch.zeros(5, device="meta"), torch.float32)
+    bucket.add_gradient(0, torch.zeros(layout.slots[0].numel, device="meta"), torch.float32)
     assert bucket.complete_fill(torch.float32).device.type == "meta"
