@@ -249,7 +249,9 @@ def estimate_stage(
         options.cpu,
         accum,
     )
-    peak = peak_bytes(states, layout, settings, activations, options.runtime_bytes, retention)
+    peak = peak_bytes(
+        states, layout, settings, activations, options.runtime_bytes, retention, parts["grads"]
+    )
     # CPU ranks hold everything in host memory: a node holds devices_per_node processes.
     per_host = (host_per_rank + (peak.total if options.cpu else 0)) * cluster.devices_per_node
     on_device = 0 if options.cpu else peak.total

@@ -47,7 +47,8 @@ What zero allocates on top of model states (docs/memory.md), with P = padded Psi
 
 [Note: peak]
 The step's peak is the largest of three moments: the start of backward (activations + working
-set + buffers), the end of backward (buffers and the last reductions in flight, activations
+set + buffers; the gradient buffers do not exist yet at gradient_accumulation_steps 1), the end
+of backward (buffers and the last reductions in flight, activations
 gone) and the optimizer step (temporaries, then the parameter all-gather). On top of it: the
 runtime (memory that is not tensors: a CUDA context, or on CPU the kernels' and autograd's
 workspaces; measure it once with a tiny model) and the allocator's retention.
@@ -233,11 +234,12 @@ class Peak:
     step: int
     runtime: int = 0
     allocator: int = 0
+    fresh_gradients: int = 0  # gradient bytes in model_states not yet made when backward starts
 
     @property
     def backward(self) -> int:
         acts = self.activations.peak if self.activations else 0
-        return acts + sum(self.buffers.values())
+        return acts + sum(self.buffers.values()) - self.fresh_gradients
 
     @property
     def total(self) -> int:
@@ -252,9 +254,13 @@ def peak_bytes(
     activations: Activations | None = None,
     runtime: int = 0,
     allocator: int = 0,
+    gradients: int = 0,
 ) -> Peak:
     """The peak of one training step ([Note: peak]); model_states, runtime and allocator (the
-    allocator's retention, [Note: CPU ranks]) in bytes on the device."""
+    allocator's retention, [Note: CPU ranks]) in bytes on the device; gradients: the bytes of
+    the gradient buffers within model_states (made during backward, engine/stages.py [Note:
+    gradient lifetime], so absent at its start unless earlier micro-batches' sums are kept)."""
+    fresh = gradients if settings.gradient_accumulation_steps == 1 else 0
     return Peak(
         model_states,
         buffer_bytes(layout, settings),
@@ -263,4 +269,5 @@ def peak_bytes(
         step_bytes(layout, settings),
         runtime,
         allocator,
+        fresh,
     )

@@ -262,3 +262,16 @@ def test_stage3_recomputation_is_not_recorded_as_forward_order():
         "blocks.2",
         "head",
     ]
+
+
+def test_peak_at_backward_start_has_no_gradient_buffers_without_accumulation():
+    # [Note: gradient lifetime]: at gradient_accumulation_steps 1 the gradients (2000 bytes of
+    # the 10,000 of model states here) are made during backward, after the activations' peak.
+    layout = LayoutSummary(1000, (500, 500))
+    acts = Activations(3000, 1000)
+    for gas, backward in ((1, 7000 - 2000), (2, 7000)):
+        settings = BufferSettings(
+            stage=2, num_shards=2, compute_bytes=2, reduce_bytes=2, gradient_accumulation_steps=gas
+        )
+        peak = peak_bytes(10_000, layout, settings, acts, gradients=2000)
+        assert peak.backward == backward, gas
