@@ -1,7 +1,10 @@
 """Run a function on N gloo ranks (CPU processes) and collect per-rank results.
 
-Spawning costs a few seconds per rank (importing torch), so tests spawn a group once and sweep
-their cases inside it.
+Starting a rank from a fresh interpreter costs a few seconds (importing torch, and torch._dynamo
+on the first optimizer), so ranks are forked from a server process that imported those once
+(multiprocessing's forkserver); zero and the test module are still imported fresh by every rank.
+Tests still start a group once and sweep their cases inside it: each group pays for the gloo
+rendezvous and zero's first initialize.
 """
 
 import contextlib
@@ -20,7 +23,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, queue):
+# Imported once by the fork server, before it forks any rank. Not zero: each group imports it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _child(fn, rank, world_size, port, args, queue, environ):
+    # A forked rank inherits the server's environment, as of the server's start: give it the
+    # caller's, as a spawned process would get (a test may have set a variable since).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -61,18 +78,21 @@ def _raise_missing(procs, results, timeout):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
-    """Call fn(*args) on `world_size` spawned ranks with RANK/WORLD_SIZE/MASTER_* set.
+    """Call fn(*args) on `world_size` new ranks with RANK/WORLD_SIZE/MASTER_* set.
 
     fn must be a module-level function; it may call zero.initialize (which creates the gloo group)
     any number of times. Returns the results ordered by rank. Raises RuntimeError with the failing
     rank's traceback, when a rank exits without a result, or on timeout; every rank is
     terminated either way.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue), daemon=True)
+        ctx.Process(
+            target=_child, args=(fn, r, world_size, port, args, queue, environ), daemon=True
+        )
         for r in range(world_size)
     ]
     for proc in procs:
