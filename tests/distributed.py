@@ -27,6 +27,17 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
+# Set in a rank by abandon_group().
+_ABANDONED = "ZERO_TEST_GROUP_ABANDONED"
+
+
+def abandon_group() -> None:
+    """Mark this rank's process group as unusable: after a RankMismatchError a rank may hold
+    collectives its peers never issued, and the closing barrier would wait until run_ranks kills
+    the rank (10 s). The rank then ends, once its result is sent, without barrier or teardown."""
+    os.environ[_ABANDONED] = "1"
+
+
 def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -59,6 +70,10 @@ def _child(fn, rank, world_size, port, args, queue, environ):
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        if os.environ.get(_ABANDONED) == "1":
+            queue.close()
+            queue.join_thread()  # the result is sent
+            os._exit(0)
         if dist.is_initialized():
             if ok:
                 dist.barrier()  # no rank closes its sockets while a peer still talks to it
