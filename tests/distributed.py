@@ -1,7 +1,10 @@
 """Run a function on N gloo ranks (CPU processes) and collect per-rank results.
 
-Spawning costs a few seconds per rank (importing torch), so tests spawn a group once and sweep
-their cases inside it.
+Starting a rank from a fresh interpreter costs a few seconds (importing torch, and torch._dynamo
+on the first optimizer), so ranks are forked from a server process that imported those once
+(multiprocessing's forkserver); zero and the test module are still imported fresh by every rank.
+Tests still start a group once and sweep their cases inside it: each group pays for the gloo
+rendezvous and zero's first initialize.
 """
 
 import contextlib
@@ -20,7 +23,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, queue):
+# Imported once by the fork server, before it forks any rank. Not zero: each group imports it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+# Set in a rank by abandon_group().
+_ABANDONED = "ZERO_TEST_GROUP_ABANDONED"
+
+
+def abandon_group() -> None:
+    """Mark this rank's process group as unusable: after a RankMismatchError a rank may hold
+    collectives its peers never issued, and the closing barrier would wait until run_ranks kills
+    the rank (10 s). The rank then ends, once its result is sent, without barrier or teardown."""
+    os.environ[_ABANDONED] = "1"
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _child(fn, rank, world_size, port, args, queue, environ):
+    # A forked rank inherits the server's environment, as of the server's start: give it the
+    # caller's, as a spawned process would get (a test may have set a variable since).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -42,6 +70,10 @@ def _child(fn, rank, world_size, port, args, queue):
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        if os.environ.get(_ABANDONED) == "1":
+            queue.close()
+            queue.join_thread()  # the result is sent
+            os._exit(0)
         if dist.is_initialized():
             if ok:
                 dist.barrier()  # no rank closes its sockets while a peer still talks to it
@@ -61,18 +93,21 @@ def _raise_missing(procs, results, timeout):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
-    """Call fn(*args) on `world_size` spawned ranks with RANK/WORLD_SIZE/MASTER_* set.
+    """Call fn(*args) on `world_size` new ranks with RANK/WORLD_SIZE/MASTER_* set.
 
     fn must be a module-level function; it may call zero.initialize (which creates the gloo group)
     any number of times. Returns the results ordered by rank. Raises RuntimeError with the failing
     rank's traceback, when a rank exits without a result, or on timeout; every rank is
     terminated either way.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue), daemon=True)
+        ctx.Process(
+            target=_child, args=(fn, r, world_size, port, args, queue, environ), daemon=True
+        )
         for r in range(world_size)
     ]
     for proc in procs:

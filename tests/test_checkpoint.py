@@ -237,7 +237,9 @@ def test_bf16_resume_restores_masters_bitwise(chained):
     assert torch.equal(weights["embed.weight"], ref.embed.weight)
 
 
-def test_consolidated_state_loads_strict_with_ties_and_frozen(chained, tmp_path):
+def test_consolidated_state_loads_strict_with_ties_and_frozen(chained, tmp_path, capsys):
+    from zero import zero_to_fp32
+
     root, _ = chained
     out = tmp_path / "model.safetensors"
     result = subprocess.run(
@@ -268,18 +270,22 @@ def test_consolidated_state_loads_strict_with_ties_and_frozen(chained, tmp_path)
         assert torch.equal(value, weights[name]), name
     assert torch.equal(model.frozen.weight, weights["frozen.weight"])
     inside = os.path.join(root, "stage1-fp32", "out.safetensors")
+    # The console script with the first bad argument; its main() with each of the others (the
+    # script is sys.exit(main()): one process start, not three).
+    result = subprocess.run(
+        [shutil.which("zero-to-fp32"), os.path.join(root, "stage1-fp32"), inside],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2 and result.stderr.startswith("zero-to-fp32: error:")
+    capsys.readouterr()
     for bad_args in (
-        [inside],
         [str(tmp_path / "missing" / "x.safetensors")],
         [str(out), "--max_shard_size", "0"],
     ):
-        result = subprocess.run(
-            [shutil.which("zero-to-fp32"), os.path.join(root, "stage1-fp32"), *bad_args],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert result.returncode == 2 and result.stderr.startswith("zero-to-fp32: error:")
+        assert zero_to_fp32.main([os.path.join(root, "stage1-fp32"), *bad_args]) == 2, bad_args
+        assert capsys.readouterr().err.startswith("zero-to-fp32: error:"), bad_args
 
 
 def kill_during_save(root):

@@ -16,7 +16,8 @@ right, with an attention mask and labels -100 on the padding.
   whose inputs need no gradient are not all-gathered in backward; the merged export (gathered
   weights, peft's merge_and_unload in a plain copy) gives the reference's logits.
 
-Each world size is spawned once per group of cases; the cases are swept inside it.
+Each world size is started once (world size 2: every sweep in one group); the cases are swept
+inside it.
 """
 
 import copy
@@ -35,7 +36,7 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.99), 1e-8, 0.01
 MODELS = ("llama", "gpt2", "qwen2", "mixtral")
 FP32_TOLERANCE = 1e-5
 BF16_TOLERANCE = 5e-3  # measured 3.0e-3 to 3.5e-3: bf16 rounding near 1 (docs/hf-models.md)
-TIMEOUT = 280  # seconds per spawned group (pytest's own timeout is 300)
+TIMEOUT = 280  # seconds per group of ranks (pytest's own timeout is 300)
 
 
 # ----- models and data ----------------------------------------------------------------------
@@ -202,9 +203,8 @@ def _stage_cases(models, dtype="fp32", stages=(0, 1, 2, 3)):
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    cases = _stage_cases(MODELS) + _stage_cases(MODELS, "bf16", (3,))
-    return run_ranks(stage_sweep, 2, cases, timeout=TIMEOUT)[0]
+def two_ranks(two_rank_runs):
+    return two_rank_runs[0]["stages"]
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -257,8 +257,8 @@ def checkpointing_sweep(cases) -> dict:
 
 
 @pytest.fixture(scope="module")
-def checkpointing_runs():
-    return run_ranks(checkpointing_sweep, 2, CHECKPOINTING_CASES, timeout=TIMEOUT)[0]
+def checkpointing_runs(two_rank_runs):
+    return two_rank_runs[0]["checkpointing"]
 
 
 @pytest.mark.parametrize("case", CHECKPOINTING_CASES, ids=str)
@@ -336,9 +336,25 @@ def lora_sweep(save_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory):
+def lora_runs(two_rank_runs):
+    return [runs["lora"] for runs in two_rank_runs]
+
+
+# ----- one group of 2 ranks for every world-size-2 sweep --------------------------------------
+def two_rank_sweep(save_dir: str) -> dict:
+    cases = _stage_cases(MODELS) + _stage_cases(MODELS, "bf16", (3,))
+    return {
+        "stages": stage_sweep(cases),
+        "checkpointing": checkpointing_sweep(CHECKPOINTING_CASES),
+        "lora": lora_sweep(save_dir),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Per rank: the results of the stage, checkpointing and LoRA sweeps, run in one group."""
     save_dir = str(tmp_path_factory.mktemp("lora"))
-    return run_ranks(lora_sweep, 2, save_dir, timeout=TIMEOUT)
+    return run_ranks(two_rank_sweep, 2, save_dir, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -112,8 +112,25 @@ def sweep(root):
     return out
 
 
-def test_nvme_and_ratio_match_no_offload_after_every_step(tmp_path):
-    results = run_ranks(sweep, 2, str(tmp_path))
+def sweep_two_ranks(root):
+    """Every world-size-2 sweep of this module in one group, each in a directory of its own."""
+    parts = {"offload": sweep, "two_byte": two_byte_sweep, "param": param_sweep, "api": api_sweep}
+    out = {}
+    for name, part in parts.items():
+        os.makedirs(f"{root}/{name}", exist_ok=True)
+        out[name] = part(f"{root}/{name}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """part -> [rank 0's result, rank 1's result] of sweep_two_ranks."""
+    per_rank = run_ranks(sweep_two_ranks, 2, str(tmp_path_factory.mktemp("two_ranks")))
+    return {part: [r[part] for r in per_rank] for part in per_rank[0]}
+
+
+def test_nvme_and_ratio_match_no_offload_after_every_step(two_ranks):
+    results = two_ranks["offload"]
     for rank_results in results:
         assert rank_results.pop("left") == []
         for case, value in rank_results.items():
@@ -158,23 +175,26 @@ def two_byte_sweep(root):
     nvme = {"device": "nvme", "nvme_path": f"{root}/swap", "buffer_count": 2}
     os.makedirs(nvme["nvme_path"], exist_ok=True)
     out = {}
-    for stage, gas in itertools.product((2, 3), (1, 2)):
-        for name, offload in (("cpu", {"device": "cpu"}), ("nvme", nvme)):
-            cfg = config(stage, gas, offload)
-            cfg["bf16"] = {"enabled": True}
-            cfg["data_types"] = {"grad_accum_dtype": "bf16"}
-            cfg["gradient_clipping"] = 0.05  # clips: the factor differs from the unscale
-            most[0] = 0
-            engine = make_engine(cfg)
-            history = train(engine, gas, range(STEPS), stage == 3)
-            norms = engine.get_global_grad_norm()
-            engine.close()
-            out[(stage, gas, name)] = (history, norms, most[0])
+    try:
+        for stage, gas in itertools.product((2, 3), (1, 2)):
+            for name, offload in (("cpu", {"device": "cpu"}), ("nvme", nvme)):
+                cfg = config(stage, gas, offload)
+                cfg["bf16"] = {"enabled": True}
+                cfg["data_types"] = {"grad_accum_dtype": "bf16"}
+                cfg["gradient_clipping"] = 0.05  # clips: the factor differs from the unscale
+                most[0] = 0
+                engine = make_engine(cfg)
+                history = train(engine, gas, range(STEPS), stage == 3)
+                norms = engine.get_global_grad_norm()
+                engine.close()
+                out[(stage, gas, name)] = (history, norms, most[0])
+    finally:
+        stages.ScaledGrads.__getitem__ = original  # the group's other sweeps run unwatched
     return out
 
 
-def test_two_byte_gradients_step_one_fp32_copy_at_a_time_bitwise(tmp_path):
-    for rank_results in run_ranks(two_byte_sweep, 2, str(tmp_path)):
+def test_two_byte_gradients_step_one_fp32_copy_at_a_time_bitwise(two_ranks):
+    for rank_results in two_ranks["two_byte"]:
         for (stage, gas, name), (history, norm, most) in rank_results.items():
             if name == "cpu":
                 continue
@@ -407,8 +427,8 @@ def param_sweep(root):
     return out
 
 
-def test_param_nvme_matches_no_offload_after_every_step(tmp_path):
-    results = run_ranks(param_sweep, 2, str(tmp_path))
+def test_param_nvme_matches_no_offload_after_every_step(two_ranks):
+    results = two_ranks["param"]
     for rank_results in results:
         for case, (history, state, stats, left) in rank_results.items():
             assert left == [], case
@@ -502,8 +522,8 @@ def _close(a, b, what):
     assert torch.allclose(a.float(), b.float(), rtol=0, atol=1e-6), what
 
 
-def test_every_reader_sees_nvme_values(tmp_path):
-    barrier = run_ranks(api_sweep, 2, str(tmp_path))
+def test_every_reader_sees_nvme_values(two_ranks):
+    barrier = two_ranks["api"]
     for results in barrier:
         assert results["left"] == []
         ref, got = results["ref"], results["nvme"]

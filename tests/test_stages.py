@@ -1,7 +1,8 @@
 """Parity of ZeRO stages 0, 1, 2 with a single-process torch reference on the same global batch.
 
-Each world size is spawned once; the cases (stage, gradient accumulation steps, clipping, bucket
-sizes, precision) are swept inside that group.
+Each world size is started once: every test at world size 2 reads its part of one group's results
+(the two_ranks fixture); the cases (stage, gradient accumulation steps, clipping, bucket sizes,
+precision) are swept inside that group.
 """
 
 import itertools
@@ -167,9 +168,34 @@ def sweep_fp32(world_size):
     return results
 
 
+def sweep_two_ranks(tmp):
+    """Every world-size-2 part of this module in one group: {test's part: this rank's result}."""
+    return {
+        "fp32": sweep_fp32(2),
+        "low_precision": sweep_low_precision(),
+        "grad_norm_vs_gas": sweep_grad_norm_vs_gas(),
+        "overflow": sweep_overflow(),
+        "comm_volume": comm_volume(),
+        "stage3_memory": stage3_memory(),
+        "gathered_16bit": gathered_and_16bit(tmp),
+        "persistence": stage3_persistence(),
+        "prefetch": sweep_prefetch(),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """part -> [rank 0's result, rank 1's result] of sweep_two_ranks."""
+    per_rank = run_ranks(sweep_two_ranks, 2, str(tmp_path_factory.mktemp("two_ranks")))
+    return {part: [r[part] for r in per_rank] for part in per_rank[0]}
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_fp32_parity(world_size):
-    per_rank = run_ranks(sweep_fp32, world_size, world_size)
+def test_fp32_parity(world_size, request):
+    if world_size == 2:
+        per_rank = request.getfixturevalue("two_ranks")["fp32"]
+    else:
+        per_rank = run_ranks(sweep_fp32, world_size, world_size)
     for rank_results in per_rank:
         for res in rank_results:
             assert res["param_diff"] <= 1e-6, res
@@ -207,8 +233,8 @@ def sweep_low_precision():
     return results
 
 
-def test_low_precision_parity():
-    for res in run_ranks(sweep_low_precision, 2)[0]:
+def test_low_precision_parity(two_ranks):
+    for res in two_ranks["low_precision"][0]:
         dtype, _ = res["case"]
         assert res["param_dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]
         assert res["master_dtype"] == "torch.float32"
@@ -245,8 +271,8 @@ def sweep_grad_norm_vs_gas():
     return {(s, gas): grad_norms_for_split(s, gas) for s in (0, 1, 2) for gas in (1, 2, 4)}
 
 
-def test_grad_norm_independent_of_gas():
-    per_rank = run_ranks(sweep_grad_norm_vs_gas, 2)
+def test_grad_norm_independent_of_gas(two_ranks):
+    per_rank = two_ranks["grad_norm_vs_gas"]
     norms = per_rank[0]
     assert per_rank[0] == per_rank[1]
     first = norms[(0, 1)]
@@ -312,8 +338,8 @@ def sweep_overflow():
     return {stage: overflow_scenario(stage) for stage in (0, 1, 2)}
 
 
-def test_fp16_overflow_skips_step():
-    per_rank = run_ranks(sweep_overflow, 2)
+def test_fp16_overflow_skips_step(two_ranks):
+    per_rank = two_ranks["overflow"]
     assert per_rank[0] == per_rank[1]
     for stage, log in per_rank[0].items():
         assert [e["applied"] for e in log] == [True, False, False, True], stage
@@ -351,8 +377,8 @@ def comm_volume():
     return out
 
 
-def test_comm_volume_is_two_psi():
-    stats = run_ranks(comm_volume, 2)[0]
+def test_comm_volume_is_two_psi(two_ranks):
+    stats = two_ranks["comm_volume"][0]
     for stage, (ops, numel, padded, num_buckets, units) in stats.items():
         big = {op: t for op, t in ops.items() if t["elements"] > 2}  # drop the 1-element norm sum
         if stage == 3:
@@ -397,8 +423,8 @@ def stage3_memory():
     return sizes, after_eval, engine.model_state_bytes()["params"], layout.padded_numel, eval_loss
 
 
-def test_stage3_holds_only_shards():
-    for sizes, after_eval, param_bytes, padded, eval_loss in run_ranks(stage3_memory, 2):
+def test_stage3_holds_only_shards(two_ranks):
+    for sizes, after_eval, param_bytes, padded, eval_loss in two_ranks["stage3_memory"]:
         assert set(sizes.values()) == {0} and set(after_eval.values()) == {0}
         assert param_bytes == padded // 2 * 4  # fp32, this rank's half of every bucket
         assert math.isfinite(eval_loss)
@@ -437,10 +463,10 @@ def gathered_and_16bit(tmp):
     return out
 
 
-def test_gathered_parameters_and_16bit_save(tmp_path):
+def test_gathered_parameters_and_16bit_save(two_ranks):
     from safetensors.torch import load_file
 
-    per_rank = run_ranks(gathered_and_16bit, 2, str(tmp_path))
+    per_rank = two_ranks["gathered_16bit"]
     full = {k: tuple(v.shape) for k, v in Net().state_dict().items()}
     for stage in (2, 3):
         for rank_out in per_rank:
@@ -475,12 +501,12 @@ def stage3_persistence():
     return results
 
 
-def test_stage3_persistent_small_parameters():
+def test_stage3_persistent_small_parameters(two_ranks):
     small = {
         None: {"proj.bias", "extra.bias", "norm.weight", "norm.bias"},
         21: {"proj.bias", "extra.bias"},
     }
-    for results in run_ranks(stage3_persistence, 2):
+    for results in two_ranks["persistence"]:
         for total, (sizes, diff, norms, ref_norms) in results.items():
             assert {n for n, size in sizes.items() if size > 0} == small[total], sizes
             assert diff <= 1e-6
@@ -501,8 +527,8 @@ def sweep_prefetch():
     return {size: stage3_prefetch(size) for size in (0, 60, 10**6)}
 
 
-def test_stage3_prefetch():
-    results = run_ranks(sweep_prefetch, 2)[0]
+def test_stage3_prefetch(two_ranks):
+    results = two_ranks["prefetch"][0]
     assert results[0][0] == 0 and results[60][0] > 0 and results[10**6][0] > 0
     for _, diff, norms in results.values():
         assert diff <= 1e-6
