@@ -131,18 +131,11 @@ def persistent_numel(gatherer) -> int:
 
 
 def comms_report(
-    ledger_step: dict,
-    psi: int,
-    stage: int,
-    gas: int,
-    rank: int,
-    persistent: int = 0,
-    reused: int = 0,
+    ledger_step: dict, psi: int, stage: int, gas: int, rank: int, persistent: int = 0
 ) -> tuple[str, bool]:
     """The comms ledger of one optimizer step as text, and whether the total deviates from the
     paper's expectation (estimator.comm_psi, with `persistent` of the `psi` elements in stage 3's
-    persistent unit, less `reused` elements whose backward all-gather stage3_max_reuse_distance
-    skipped in this step) by more than 1%. `ledger_step`: op -> OpTotals."""
+    persistent unit) by more than 1%. `ledger_step`: op -> OpTotals."""
     lines = [f"comms rank {rank}: {'op':<16}{'calls':>7}{'elements':>14}{'bytes':>15}{'ms':>10}"]
     total = 0
     for op, t in sorted(ledger_step.items()):
@@ -151,12 +144,11 @@ def comms_report(
             f"comms rank {rank}: {op:<16}{t.calls:>7}{t.elements:>14,}{t.bytes:>15,}"
             f"{t.seconds * 1e3:>10.2f}"
         )
-    expected = comm_psi(stage, gas, persistent / psi if psi else 0.0) - (reused / psi if psi else 0)
+    expected = comm_psi(stage, gas, persistent / psi if psi else 0.0)
     measured = total / psi if psi else 0.0
     deviates = abs(measured - expected) > 0.01 * expected
     flag = "  DEVIATION > 1%" if deviates else ""
     kept = f", {persistent:,} persistent" if stage == 3 and persistent else ""
-    kept += f", {reused:,} reused" if stage == 3 and reused else ""
     lines.append(
         f"comms rank {rank}: total {measured:.4f} Psi (Psi={psi:,}); expected {expected:.4g} Psi "
         f"(stage {stage}, gradient accumulation {gas}{kept}){flag}"
@@ -186,7 +178,6 @@ class StepMonitor:
                 )
         self._losses: list[torch.Tensor] = []
         self._last_boundary = time.perf_counter()
-        self._reused = 0  # gatherer.reused_numel at the last step
         self._memory_reported = False
         self.last = {}  # the figures of the last optimizer step, for tests and callers
 
@@ -241,8 +232,6 @@ class StepMonitor:
         self._write_events(figures, engine.global_samples)
         if printing:
             logger.info(self.format_step(figures))
-        reused = engine.gatherer.reused_numel if engine.gatherer is not None else 0
-        reused, self._reused = reused - self._reused, reused
         if self.config.comms_logger.enabled and engine.world_size > 1:
             text, _ = comms_report(
                 engine.comm.ledger.last_step,
@@ -251,7 +240,6 @@ class StepMonitor:
                 self.config.gradient_accumulation_steps,
                 self.rank,
                 persistent_numel(engine.gatherer),
-                reused,
             )
             logger.info(text)
         if self.config.memory_breakdown and not self._memory_reported:

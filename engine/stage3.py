@@ -172,7 +172,6 @@ class ParamGatherer:
         self.max_live_numel = max_live_numel
         self.max_reuse_numel = max_reuse_numel  # [Note: reuse distance]
         self.training = False  # set by Engine.forward: a backward follows this forward
-        self.reused_numel = 0  # trainable elements whose backward all-gather reuse skipped
         self.prefetch_hits = 0  # fetches that found their unit already being gathered
         self.busy = False  # inside our own ops: UsageGuard must not react to them
         self.buckets = []  # every bucket attached, trainable and frozen
@@ -347,9 +346,6 @@ class ParamGatherer:
         launch = [unit] if unit.state is UnitState.SHARDED else []
         kept = [unit] if unit.kept and direction == "backward" else []
         unit.kept = False
-        self.reused_numel += sum(
-            b.layout.numel for u in kept for b in u.buckets if b.master is not None
-        )
         if unit.state is UnitState.GATHERING:
             self.prefetch_hits += 1
         if direction is not None and self.prefetch_numel > 0:

@@ -272,10 +272,8 @@ def test_stage3_keeps_units_reused_within_the_reuse_distance():
         engine = _engine(_chain(3), stage=3, bucket=72, reuse=reuse)
         gatherer, launched = engine.gatherer, []
         start_gather = gatherer._start_gather
-        gatherer._start_gather = lambda unit, log=launched, start=start_gather: (
-            log.append(unit.name) or start(unit)
-        )
-        for _ in range(3):
+        gatherer._start_gather = lambda unit: launched.append(unit.name) or start_gather(unit)
+        for step in range(3):
             launched.clear()
             loss = engine(torch.randn(2, 8)).square().mean()
             gathered = [u.state.value == "gathered" for u in gatherer.units]

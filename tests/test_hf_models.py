@@ -302,10 +302,7 @@ def lora_sweep(save_dir: str) -> dict:
     out = {}
     for stage in (2, 3):
         for freeze in (None, "lora"):
-            cfg = engine_config(stage, persist=0)
-            # every unit released after its forward, so backward's all-gathers can be counted
-            cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0
-            engine = train(build("llama", freeze), cfg, "llama")
+            engine = train(build("llama", freeze), engine_config(stage, persist=0), "llama")
             res = {"held": held_bytes(engine)}
             if stage == 3:  # all-gathered elements in the last step, and each unit's size
                 res["gathered"] = engine.comm_stats()["all_gather"]["elements"]
