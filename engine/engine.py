@@ -169,7 +169,6 @@ class Engine(torch.nn.Module):
                 accelerator.device,
                 prefetch_numel=config.zero.stage3_prefetch_bucket_size,
                 max_live_numel=config.zero.stage3_max_live_parameters,
-                max_reuse_numel=config.zero.stage3_max_reuse_distance,
             )
             self.gatherer.param_swap = self.optimizer.param_swap
             self.gatherer.attach(
@@ -386,7 +385,6 @@ class Engine(torch.nn.Module):
         if self.gatherer is None:
             with timer:
                 return self.module(*args, **kwargs)
-        self.gatherer.training = training
         try:
             with timer, UsageGuard(self.gatherer), self.gatherer.saved_weights():
                 output = self.module(*args, **kwargs)

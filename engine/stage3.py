@@ -82,7 +82,6 @@ class Unit:
     untracked: bool = False  # completion cannot be observed ([Note: end of a unit's backward])
     backward: bool = False  # some call of this micro-batch has a backward (_has_backward)
     check: object = None  # comm.PendingCheck of its all-gather in flight, if predicted
-    kept: bool = False  # kept gathered from its forward for its backward ([Note: reuse distance])
 
     @property
     def frozen(self) -> bool:
@@ -153,15 +152,7 @@ class ParamGatherer:
     """
 
     def __init__(
-        self,
-        root,
-        units,
-        comm,
-        compute_dtype,
-        device,
-        prefetch_numel=0,
-        max_live_numel=None,
-        max_reuse_numel=0,
+        self, root, units, comm, compute_dtype, device, prefetch_numel=0, max_live_numel=None
     ):
         self.root = root  # the model the units were chosen from
         self.units = units
@@ -170,8 +161,6 @@ class ParamGatherer:
         self.device = torch.device(device)  # where gathered parameters live
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
-        self.max_reuse_numel = max_reuse_numel  # [Note: reuse distance]
-        self.training = False  # set by Engine.forward: a backward follows this forward
         self.prefetch_hits = 0  # fetches that found their unit already being gathered
         self.busy = False  # inside our own ops: UsageGuard must not react to them
         self.buckets = []  # every bucket attached, trainable and frozen
@@ -179,9 +168,7 @@ class ParamGatherer:
         self._gathered_storage: dict[int, object] = {}  # buffer data_ptr -> bucket (not persistent)
         self._hooks = []
         self._order: list[int] = []  # unit indices in forward order, from the last step
-        self._after: list[int] = []  # per position of _order: elements of the units after it
         self._trace: list[int] = []  # this step's forward order
-        self._on_order = True  # this step's forward has followed _order so far
         self._cursor = {"forward": 0, "backward": 0}
         self.agreement = None  # comm.Agreement: gathers are checked across ranks first
         self._launched: list[tuple] = []  # this micro-batch's batches of all-gathers
@@ -229,13 +216,7 @@ class ParamGatherer:
                     # a reentrant checkpoint's: backward runs through what it builds
                     self._watch_backward(unit, _inputs_requiring_grad(args, kwargs))
                 return
-            position = len(self._trace)
             self._trace.append(unit.index)
-            self._on_order = (
-                self._on_order
-                and position < len(self._order)
-                and self._order[position] == unit.index
-            )
             self.fetch(unit, "forward")
             if torch.is_grad_enabled():
                 inputs = _inputs_requiring_grad(args, kwargs)
@@ -291,35 +272,11 @@ class ParamGatherer:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
-            if _in_backward():  # a recomputation's saved tensors are about to be used
-                return output
-            if self._reused_soon(unit):
-                unit.kept = True
-            else:
+            if not _in_backward():  # a recomputation's saved tensors are about to be used
                 self.release(unit)
             return output
 
         return hook
-
-    def _reused_soon(self, unit: Unit) -> bool:
-        """[Note: reuse distance] (stage3_max_reuse_distance) A unit whose forward ends stays
-        gathered for its backward when fewer than max_reuse_numel parameter elements are used
-        in between: the units after it in forward and again in backward, twice the elements of
-        the units that followed it in the recorded order. The last units of forward then skip
-        their backward all-gather. Only in a training forward (Engine.forward sets `training`;
-        a reentrant checkpoint's forward runs without gradients but is one), while this step's
-        forward follows the recorded order, and while the gathered units stay within
-        stage3_max_live_parameters. A kept unit's backward fetch is still checked across ranks
-        like the all-gather it replaces (fetch), so ranks whose forwards differed stop there at
-        once, as they would without it."""
-        if self.max_reuse_numel <= 0 or not self.training or not self._on_order:
-            return False
-        if unit.index != self._trace[-1]:
-            return False  # a unit that ends after a later one started (a container's own unit)
-        if 2 * self._after[len(self._trace) - 1] > self.max_reuse_numel:
-            return False
-        live = sum(_unit_numel(u) for u in self.units if u.state is not UnitState.SHARDED)
-        return self.max_live_numel is None or live <= self.max_live_numel
 
     def _keep_in_backward(self, unit: Unit, inputs: list, output):
         """A floating-point output that does not require grad on this rank (a mixture-of-experts
@@ -344,18 +301,12 @@ class ParamGatherer:
         last time in `direction` ("forward" or "backward"; None: no prefetch). The all-gathers
         this starts are checked across ranks first (one Agreement.check for all of them)."""
         launch = [unit] if unit.state is UnitState.SHARDED else []
-        kept = [unit] if unit.kept and direction == "backward" else []
-        unit.kept = False
         if unit.state is UnitState.GATHERING:
             self.prefetch_hits += 1
         if direction is not None and self.prefetch_numel > 0:
             launch += self._prefetch_plan(unit, direction, launch)
-        if launch or kept:
-            # A kept unit is agreed on as the all-gather it replaces ([Note: reuse distance]).
-            pending = self._agree_on(tuple(u.index for u in kept + launch))
-            if kept and pending is not None:
-                pending.finish()
-                pending = None
+        if launch:
+            pending = self._agree_on(tuple(u.index for u in launch))
             for upcoming in launch:
                 self._start_gather(upcoming)
                 upcoming.check = pending
@@ -563,7 +514,7 @@ class ParamGatherer:
             for bucket in unit.buckets:
                 self._release_bucket(bucket)
         unit.state = UnitState.SHARDED
-        unit.pinned = unit.kept = False
+        unit.pinned = False
 
     def release_bucket_after_backward(self, bucket) -> None:
         """All gradients of the trainable bucket arrived, so backward uses its parameters no more:
@@ -615,15 +566,9 @@ class ParamGatherer:
         persistent one, and keep this step's forward order for the next step's prefetch."""
         for unit in self.units:
             self.release(unit, force=True)
-            unit.calls, unit.untracked, unit.backward, unit.kept = 0, False, False, False
+            unit.calls, unit.untracked, unit.backward = 0, False, False
         if self._trace:
             self._order, self._trace = self._trace, []
-            self._after, total = [], 0
-            for index in reversed(self._order):
-                self._after.append(total)
-                total += _unit_numel(self.units[index])
-            self._after.reverse()
-        self._on_order = True
         self._cursor = {"forward": 0, "backward": 0}
         self._read_cursor = {"forward": 0, "backward": 0}
         if self.param_swap is not None:

@@ -65,7 +65,7 @@ def test_kept_activations_match_autograd():
     assert kept <= sum(saved.values()) <= 1.01 * kept
 
 
-def _engine(model, stage: int, bucket: int, accumulation: int = 1, reuse: int = 0):
+def _engine(model, stage: int, bucket: int, accumulation: int = 1):
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accumulation,
@@ -74,7 +74,6 @@ def _engine(model, stage: int, bucket: int, accumulation: int = 1, reuse: int = 
             "stage": stage,
             "reduce_bucket_size": bucket,
             "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": reuse,
         },
     }
     engine, _, _, _ = zero.initialize(model=model, config=config)
@@ -263,26 +262,6 @@ def test_stage3_recomputation_is_not_recorded_as_forward_order():
         "blocks.2",
         "head",
     ]
-
-
-def test_stage3_keeps_units_reused_within_the_reuse_distance():
-    # [Note: reuse distance]: three Linear(8, 8) units of 72 elements; a unit is kept from its
-    # forward to its backward when 2 x (elements of the units after it) <= the distance.
-    for reuse, kept in ((0, 0), (1, 1), (2 * 72, 2), (10**9, 3)):
-        engine = _engine(_chain(3), stage=3, bucket=72, reuse=reuse)
-        gatherer, launched = engine.gatherer, []
-        start_gather = gatherer._start_gather
-        gatherer._start_gather = lambda unit: launched.append(unit.name) or start_gather(unit)
-        for step in range(3):
-            launched.clear()
-            loss = engine(torch.randn(2, 8)).square().mean()
-            gathered = [u.state.value == "gathered" for u in gatherer.units]
-            engine.backward(loss)
-            engine.step()
-        # The order is known from the second step on: the last `kept` units stay gathered and
-        # skip their backward all-gather.
-        assert gathered == [False] * (3 - kept) + [True] * kept, reuse
-        assert len(launched) == 6 - kept, (reuse, launched)
 
 
 def test_peak_at_backward_start_has_no_gradient_buffers_without_accumulation():
