@@ -583,8 +583,13 @@ class ParamGatherer:
                 bucket.versions = [param._version for param in bucket.params]
 
     def refresh_persistent(self) -> None:
-        """After an optimizer step: gather the persistent unit's updated values again."""
+        """After an optimizer step: gather the persistent unit's updated values again, and
+        release any other unit still gathered (a forward through engine.module between backward
+        and step leaves its prefetched units gathered), whose values the step made stale: the
+        next forward gathers them anew. Units held by GatheredParameters stay as they are."""
         for unit in self.units:
+            if not unit.persistent and not unit.holds and unit.state is not UnitState.SHARDED:
+                self.release(unit, force=True)
             if unit.persistent:
                 with self._own_ops():
                     for bucket in unit.buckets:

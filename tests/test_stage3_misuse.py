@@ -4,7 +4,8 @@ load_state_dict(), under a read-only GatheredParameters; persistent parameters t
 loaded into partitioned parameters, torch.func inside forward; and what it keeps working: a
 modification published by GatheredParameters(modifier_rank=0) followed by a forward inside the
 same block, saved-tensor hooks the caller installs around engine(...) (single process: the same
-gather and release code paths as N ranks)."""
+gather and release code paths as N ranks), and a no-grad forward through engine.module between
+backward and step, whose prefetched units the step releases (2 ranks)."""
 
 import pytest
 import torch
@@ -121,3 +122,48 @@ def test_callers_saved_tensor_hooks_and_torch_func():
     engine, _, _, _ = zero.initialize(model=FuncInside(), config=CONFIG)
     with pytest.raises(RuntimeError, match="torch.func transforms cannot run inside"):
         engine(torch.randn(2, 4))
+
+
+def module_forward_between_backward_and_step():
+    """Largest |parameter - reference| after steps with a no-grad forward through engine.module
+    (not engine(...)) between each backward and step, 2 ranks."""
+    from distributed import full_params
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    reference = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    reference.load_state_dict(model.state_dict())
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        # one unit per layer (72 elements each), prefetched by the default 50M look-ahead
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": 80,
+        },
+    }
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        xs = [torch.randn(2, 8, generator=generator) for _ in range(2)]
+        engine.backward(engine(xs[engine.rank]).square().mean())
+        with torch.no_grad():
+            engine.module(xs[engine.rank])
+        engine.step()
+        optimizer.zero_grad()
+        reference(torch.cat(xs)).square().mean().backward()
+        optimizer.step()
+    got = full_params(engine)
+    return max((got[n] - p).abs().max().item() for n, p in reference.named_parameters())
+
+
+def test_forward_through_module_between_backward_and_step_leaves_no_stale_unit():
+    # That forward prefetches the units after each one it runs; those still gathered at step()
+    # would keep the old values into the next forward, so the step releases them.
+    from distributed import run_ranks
+
+    for difference in run_ranks(module_forward_between_backward_and_step, 2):
+        assert difference <= 1e-6, difference
