@@ -59,6 +59,8 @@ from _common import (  # noqa: E402
     make_batches,
     paper_comm,
     timed_step,
+    torch_adamw,
+    torch_step,
     zero_config,
 )
 
@@ -67,6 +69,9 @@ from zero.config import ZeroConfig  # noqa: E402
 from zero.optim import resolve_optimizer  # noqa: E402
 
 SYSTEMS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2", "ds0", "ds1", "ds2", "ds3")
+# Not in the default set: each rank trains its own copy with no communication at all (torch's
+# AdamW loop on its micro-batch), the compute floor no engine's step can go below.
+FLOOR = "local"
 # (numerator, denominator, target): the numerator's median step time over the denominator's.
 TARGETS = (
     [(f"zero{s}", "ddp", 1.00) for s in range(3)]
@@ -105,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help=f"comma-separated subset of {','.join(SYSTEMS)}",
+        help=f"comma-separated subset of {','.join(SYSTEMS)}, or {FLOOR} (no communication)",
     )
     parser.add_argument(
         "--reduce_bucket_size",
@@ -124,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    unknown = sorted(set(args.systems) - set(SYSTEMS) - {FLOOR})
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}")
     if args.loss_tol is None:
@@ -183,6 +188,9 @@ def build_one(args, name: str, params: dict, device) -> System:
         return build_zero(args, int(name[4]), params, offload=name.endswith("_offload"))
     if name.startswith("ds"):
         return build_deepspeed(args, int(name[-1]), params)
+    if name == FLOOR:
+        model = build_model(args).to(device)
+        return System(name, torch_step(model, model, torch_adamw(model.parameters(), params)))
     if name == "ddp":
         bucket_cap_mb = args.reduce_bucket_size * 4 / 2**20  # fp32 gradients in both dtypes
         return System(name, build_ddp(args, args.dtype, params, bucket_cap_mb, device))
@@ -240,7 +248,7 @@ def loss_parity(args, systems: dict[str, System], device) -> dict:
     diff = (losses - losses[names.index("ddp")]).abs().amax(dim=1)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     for i, n in enumerate(names):
-        if n != "ddp":
+        if n not in ("ddp", FLOOR):  # the floor trains on its own micro-batch: other losses
             out[n].update(max_abs_diff_vs_ddp=float(diff[i]), tol=args.loss_tol)
             out[n]["pass"] = bool(diff[i] <= args.loss_tol)
     return out
