@@ -13,7 +13,8 @@ decay zero resolves, 0.0), gradient clipping 1.0, gradient_accumulation_steps 1:
 - ddp: DistributedDataParallel, bucket_cap_mb = zero's reduce bucket in fp32 bytes;
 - fsdp2: fully_shard per transformer block, then the root;
 - ds0..ds3: deepspeed.initialize with the same config dict as zero (DS_ACCELERATOR=cpu on the
-  CPU); skipped, with the reason printed, when deepspeed cannot be imported or initialized.
+  CPU); skipped, with the reason printed, when deepspeed cannot be imported or initialized;
+- local (only when named in --systems): each rank trains alone, no communication: the floor.
 
 bf16 (--dtype bf16): zero and DeepSpeed get the config's bf16 block; DDP runs torch.autocast,
 FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). All systems stay alive; after
