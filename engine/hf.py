@@ -170,7 +170,7 @@ class _Places:
     def finish(self) -> None:
         """Stage 3: gather the persistent unit's new values. Collective."""
         if self.optimizer is not None and self.optimizer.gatherer is not None:
-            self.optimizer.gatherer.refresh_persistent()
+            self.optimizer.gatherer.refresh_gathered()
 
 
 def _refuse_model_parallel(optimizer) -> None:

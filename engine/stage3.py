@@ -582,20 +582,22 @@ class ParamGatherer:
             if bucket.param_buffer is not None:
                 bucket.versions = [param._version for param in bucket.params]
 
-    def refresh_persistent(self) -> None:
-        """After an optimizer step: gather the persistent unit's updated values again, and
-        release any other unit still gathered (a forward through engine.module between backward
-        and step leaves its prefetched units gathered), whose values the step made stale: the
-        next forward gathers them anew. Units held by GatheredParameters stay as they are."""
+    def refresh_gathered(self) -> None:
+        """The shards changed (an optimizer step, zero.load_pretrained): gather the persistent
+        unit's new values, and release any other unit still gathered, whose values are stale
+        (a forward through engine.module between backward and step leaves its prefetched units
+        gathered); the next forward gathers them anew. release() keeps units held by
+        GatheredParameters. Collective."""
         for unit in self.units:
-            if not unit.persistent and not unit.holds and unit.state is not UnitState.SHARDED:
-                self.release(unit, force=True)
-            if unit.persistent:
-                with self._own_ops():
-                    for bucket in unit.buckets:
-                        self._release_bucket(bucket)
-                unit.state = UnitState.SHARDED
-                self.fetch(unit)
+            if not unit.persistent:
+                if unit.state is not UnitState.SHARDED:
+                    self.release(unit, force=True)
+                continue
+            with self._own_ops():
+                for bucket in unit.buckets:
+                    self._release_bucket(bucket)
+            unit.state = UnitState.SHARDED
+            self.fetch(unit)
 
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))

@@ -712,7 +712,7 @@ class ZeroOptimizer:
         if self.param_swap is not None:
             self.param_swap.flush()  # every shard is in its file before step() returns
         if self.gatherer is not None:
-            self.gatherer.refresh_persistent()
+            self.gatherer.refresh_gathered()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Accepted for training scripts that call optimizer.zero_grad() after engine.step(), as
