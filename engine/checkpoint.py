@@ -804,10 +804,30 @@ def _open(path: str, name: str):
 
 class GroupReader:
     """Reads any [begin, end) range of a param group's flat vector of one state kind from the
-    rank files that hold it, touching only the overlapping slices."""
+    rank files that hold it, touching only the overlapping slices.
 
-    def __init__(self, path: str, meta: dict):
+    Ranges are in the saved order's group coordinates, or, given `order` (per group, the
+    parameter names in the reading engine's layout order), in that order's: a checkpoint saved
+    at another stage lays out the same parameters in another order ([Note: units laid out
+    together] in engine/flat.py), and each parameter's elements are then read from where the
+    saved order put them."""
+
+    def __init__(self, path: str, meta: dict, order: list[list[str]] | None = None):
         self.path = path
+        # per group: (begin in the reader's coordinates, numel, begin in the saved ones)
+        self._moved: dict[int, list[tuple[int, int, int]]] = {}
+        for group, params in enumerate(meta["groups"] if order is not None else ()):
+            saved, offset = {}, 0
+            for p in params:
+                saved[p["name"]] = (offset, _numel(p["shape"]))
+                offset += _numel(p["shape"])
+            if [p["name"] for p in params] != order[group]:
+                moved, begin = [], 0
+                for name in order[group]:
+                    at, numel = saved[name]
+                    moved.append((begin, numel, at))
+                    begin += numel
+                self._moved[group] = moved
         self.pieces: dict[str, list[tuple[int, int, int, str]]] = {}
         for rank, groups in meta["ranks"].items():
             for group, ranges in groups.items():
@@ -815,10 +835,26 @@ class GroupReader:
                     self.pieces.setdefault(group, []).append((lo, hi, index, rank_file(int(rank))))
         self._handles: dict[str, object] = {}
 
+    def _saved_ranges(self, group: int, begin: int, end: int):
+        """(saved begin, saved end, offset into [begin, end)) covering [begin, end)."""
+        moved = self._moved.get(group)
+        if moved is None:
+            yield begin, end, 0
+            return
+        for at, numel, saved_at in moved:
+            a, b = max(at, begin), min(at + numel, end)
+            if a < b:
+                yield saved_at + a - at, saved_at + b - at, a - begin
+
     def files(self, group: int, begin: int, end: int) -> set[str]:
         """The rank files holding elements [begin, end) of a group (for any state kind)."""
         pieces = self.pieces.get(str(group), [])
-        return {file for lo, hi, _, file in pieces if max(lo, begin) < min(hi, end)}
+        return {
+            file
+            for sa, sb, _ in self._saved_ranges(group, begin, end)
+            for lo, hi, _, file in pieces
+            if max(lo, sa) < min(hi, sb)
+        }
 
     def _overlaps(self, group: int, kind: str, begin: int, end: int):
         """(a, b, piece_lo, file, key) for each saved piece overlapping [begin, end); raises
@@ -848,13 +884,15 @@ class GroupReader:
         return out
 
     def check(self, group: int, kind: str, begin: int, end: int) -> None:
-        self._overlaps(group, kind, begin, end)
+        for sa, sb, _ in self._saved_ranges(group, begin, end):
+            self._overlaps(group, kind, sa, sb)
 
     def read_into(self, group: int, kind: str, begin: int, out: torch.Tensor) -> None:
         """Fill `out` (1-D, fp32) with elements [begin, begin + out.numel())."""
-        end = begin + out.numel()
-        for a, b, lo, file, key in self._overlaps(group, kind, begin, end):
-            out[a - begin : b - begin].copy_(self._handle(file).get_slice(key)[a - lo : b - lo])
+        for sa, sb, at in self._saved_ranges(group, begin, begin + out.numel()):
+            for a, b, lo, file, key in self._overlaps(group, kind, sa, sb):
+                piece = self._handle(file).get_slice(key)[a - lo : b - lo]
+                out[at + a - sa : at + b - sa].copy_(piece)
 
     def read(self, group: int, kind: str, begin: int, end: int) -> torch.Tensor:
         out = torch.empty(end - begin, dtype=torch.float32)
@@ -867,11 +905,20 @@ class GroupReader:
         return self._handles[file]
 
 
+def _layout_order(engine) -> list[list[str]]:
+    """Per param group, the trained parameters' names in the engine's layout order."""
+    return [
+        [s.name for b in _group_buckets(engine, g) for s in b.layout.slots]
+        for g in range(engine.optimizer.layout.num_groups)
+    ]
+
+
 def _layout_problems(meta: dict, engine) -> list[str]:
-    """Differences between the saved trained parameters (names, shapes, order) and the engine's."""
-    saved = [[(p["name"], tuple(p["shape"])) for p in group] for group in meta["groups"]]
+    """Differences between the saved trained parameters (names, shapes, param groups) and the
+    engine's; the order within a group may differ (GroupReader follows it)."""
+    saved = [sorted((p["name"], tuple(p["shape"])) for p in group) for group in meta["groups"]]
     current = [
-        [(s.name, s.shape) for b in _group_buckets(engine, g) for s in b.layout.slots]
+        sorted((s.name, s.shape) for b in _group_buckets(engine, g) for s in b.layout.slots)
         for g in range(engine.optimizer.layout.num_groups)
     ]
     if saved == current:
@@ -879,8 +926,7 @@ def _layout_problems(meta: dict, engine) -> list[str]:
     saved_all = {n: s for g in saved for n, s in g}
     current_all = {n: s for g in current for n, s in g}
     return _differences(saved_all, current_all) or [
-        "the trained parameters are grouped or ordered differently (same optimizer param groups "
-        "are needed)"
+        "the trained parameters are grouped differently (same optimizer param groups are needed)"
     ]
 
 
@@ -937,7 +983,8 @@ def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
     (before it opens them), each tensor's dtype and shape, the training state's keys."""
     path = resolve(load_dir, tag)
     meta = read_meta(path)
-    reader = GroupReader(path, meta)
+    layout_problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)]
+    reader = GroupReader(path, meta, None if layout_problems else _layout_order(engine))
     shard = engine.optimizer.layout.shard_of(engine.comm.rank)
     owned = [
         (group, lo, hi, bucket)
@@ -951,7 +998,7 @@ def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
         verify_checksums(path, meta, files)
     laid_out = _laid_out_ids(engine)
     module_values, module_problems = _read_module_file(path, engine, laid_out, strict)
-    problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)] + module_problems
+    problems = layout_problems + module_problems
     if problems:
         raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
     current = optimizer_name(engine.optimizer.optimizer)
