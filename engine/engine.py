@@ -169,6 +169,7 @@ class Engine(torch.nn.Module):
                 accelerator.device,
                 prefetch_numel=config.zero.stage3_prefetch_bucket_size,
                 max_live_numel=config.zero.stage3_max_live_parameters,
+                max_reuse_numel=config.zero.stage3_max_reuse_distance,
             )
             self.gatherer.param_swap = self.optimizer.param_swap
             self.gatherer.attach(
@@ -385,6 +386,7 @@ class Engine(torch.nn.Module):
         if self.gatherer is None:
             with timer:
                 return self.module(*args, **kwargs)
+        self.gatherer.keeping = training  # units may stay gathered for backward
         try:
             with timer, UsageGuard(self.gatherer), self.gatherer.saved_weights():
                 output = self.module(*args, **kwargs)
@@ -397,6 +399,8 @@ class Engine(torch.nn.Module):
                 "backward), so torch.func transforms cannot run inside the model's forward; run "
                 "them outside engine(...) or use stage 0-2"
             ) from error
+        finally:
+            self.gatherer.keeping = False
         if not training:
             self.gatherer.release_all()  # no backward follows: release pinned units now
         return output

@@ -61,7 +61,8 @@ class Options:
     bucket_numel [reduce_bucket_size], allgather_numel [allgather_bucket_size], prefetch_numel
     [stage3_prefetch_bucket_size], persistence_threshold [stage3_param_persistence_threshold],
     persistence_total [stage3_model_persistence_threshold],
-    unit_threshold [stage3_module_granularity_threshold, 0: bucket_numel].
+    unit_threshold [stage3_module_granularity_threshold, 0: bucket_numel],
+    reuse_numel [stage3_max_reuse_distance].
     gradient_accumulation_steps [same]. checkpointing: activation checkpointing of every layer.
     cpu: the ranks are CPU processes (gloo copies collective buffers; glibc's heap retention,
     footprint [Note: CPU ranks]). runtime_bytes: memory besides tensors per rank (a CUDA context,
@@ -78,6 +79,7 @@ class Options:
     persistence_threshold: int = 100_000
     persistence_total: int = sys.maxsize
     unit_threshold: int = 0
+    reuse_numel: int = 1_000_000_000
     gradient_accumulation_steps: int = 1
     checkpointing: bool = False
     cpu: bool = False
@@ -99,6 +101,7 @@ class Options:
             persistence_threshold=zero.stage3_param_persistence_threshold,
             persistence_total=zero.stage3_model_persistence_threshold,
             unit_threshold=zero.stage3_module_granularity_threshold,
+            reuse_numel=zero.stage3_max_reuse_distance,
             gradient_accumulation_steps=config.gradient_accumulation_steps or 1,
         )
         values.update(overrides)
@@ -248,6 +251,7 @@ def estimate_stage(
         options.prefetch_numel,
         options.cpu,
         accum,
+        options.reuse_numel,
     )
     peak = peak_bytes(
         states, layout, settings, activations, options.runtime_bytes, retention, parts["grads"]
@@ -354,6 +358,7 @@ def recommended_config(row: Estimate, options: Options, micro_batch: int = 1) ->
     if row.stage == 3:
         zero_block["stage3_prefetch_bucket_size"] = options.prefetch_numel
         zero_block["stage3_param_persistence_threshold"] = options.persistence_threshold
+        zero_block["stage3_max_reuse_distance"] = options.reuse_numel
     if row.offload:
         zero_block["offload_optimizer"] = {"device": row.device, "pin_memory": True}
         if row.device == "nvme":

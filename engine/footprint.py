@@ -156,6 +156,7 @@ class BufferSettings:
     allgather_numel [zero_optimization.allgather_bucket_size]. prefetch_numel
     [stage3_prefetch_bucket_size]. gloo: the backend copies collective buffers (CPU runs).
     accum_bytes: bytes per gradient element kept [data_types.grad_accum_dtype]: 4 or 2.
+    reuse_numel [stage3_max_reuse_distance].
     """
 
     stage: int
@@ -167,6 +168,7 @@ class BufferSettings:
     prefetch_numel: int = 50_000_000
     gloo: bool = False
     accum_bytes: int = 4
+    reuse_numel: int = 1_000_000_000
 
 
 def buffer_bytes(layout: LayoutSummary, settings: BufferSettings) -> dict[str, int]:
@@ -187,7 +189,11 @@ def buffer_bytes(layout: LayoutSummary, settings: BufferSettings) -> dict[str, i
     if st.stage == 3:
         sharded = layout.padded_numel - layout.persistent_numel
         largest = layout.unit_numels[0] if layout.unit_numels else 0
-        window = min(sharded, largest + st.prefetch_numel)
+        # The units kept from their forward into backward ([Note: reuse distance] in
+        # engine/stage3.py): those with fewer than reuse_numel elements gathered after them,
+        # twice the units that follow them in forward, so at most reuse_numel / 2 plus one unit.
+        kept = st.reuse_numel // 2 + largest if st.reuse_numel > 0 else 0
+        window = min(sharded, largest + st.prefetch_numel + kept)
         terms["gathered parameters"] = (layout.persistent_numel + window) * st.compute_bytes
     return terms
 

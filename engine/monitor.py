@@ -131,11 +131,18 @@ def persistent_numel(gatherer) -> int:
 
 
 def comms_report(
-    ledger_step: dict, psi: int, stage: int, gas: int, rank: int, persistent: int = 0
+    ledger_step: dict,
+    psi: int,
+    stage: int,
+    gas: int,
+    rank: int,
+    persistent: int = 0,
+    kept: int = 0,
 ) -> tuple[str, bool]:
     """The comms ledger of one optimizer step as text, and whether the total deviates from the
     paper's expectation (estimator.comm_psi, with `persistent` of the `psi` elements in stage 3's
-    persistent unit) by more than 1%. `ledger_step`: op -> OpTotals."""
+    persistent unit, less the `kept` elements stage 3 kept gathered from a forward to its
+    backward, [Note: reuse distance]) by more than 1%. `ledger_step`: op -> OpTotals."""
     lines = [f"comms rank {rank}: {'op':<16}{'calls':>7}{'elements':>14}{'bytes':>15}{'ms':>10}"]
     total = 0
     for op, t in sorted(ledger_step.items()):
@@ -144,14 +151,15 @@ def comms_report(
             f"comms rank {rank}: {op:<16}{t.calls:>7}{t.elements:>14,}{t.bytes:>15,}"
             f"{t.seconds * 1e3:>10.2f}"
         )
-    expected = comm_psi(stage, gas, persistent / psi if psi else 0.0)
+    expected = comm_psi(stage, gas, persistent / psi if psi else 0.0) - (kept / psi if psi else 0)
     measured = total / psi if psi else 0.0
     deviates = abs(measured - expected) > 0.01 * expected
     flag = "  DEVIATION > 1%" if deviates else ""
-    kept = f", {persistent:,} persistent" if stage == 3 and persistent else ""
+    notes = f", {persistent:,} persistent" if stage == 3 and persistent else ""
+    notes += f", {kept:,} kept for backward" if kept else ""
     lines.append(
         f"comms rank {rank}: total {measured:.4f} Psi (Psi={psi:,}); expected {expected:.4g} Psi "
-        f"(stage {stage}, gradient accumulation {gas}{kept}){flag}"
+        f"(stage {stage}, gradient accumulation {gas}{notes}){flag}"
     )
     return "\n".join(lines), deviates
 
@@ -179,6 +187,7 @@ class StepMonitor:
         self._losses: list[torch.Tensor] = []
         self._last_boundary = time.perf_counter()
         self._memory_reported = False
+        self._kept_before = 0  # the gatherer's kept_numel at the last step
         self.last = {}  # the figures of the last optimizer step, for tests and callers
 
     def attach(self, comm) -> None:
@@ -232,6 +241,8 @@ class StepMonitor:
         self._write_events(figures, engine.global_samples)
         if printing:
             logger.info(self.format_step(figures))
+        kept_total = engine.gatherer.kept_numel if engine.gatherer is not None else 0
+        kept, self._kept_before = kept_total - self._kept_before, kept_total
         if self.config.comms_logger.enabled and engine.world_size > 1:
             text, _ = comms_report(
                 engine.comm.ledger.last_step,
@@ -240,6 +251,7 @@ class StepMonitor:
                 self.config.gradient_accumulation_steps,
                 self.rank,
                 persistent_numel(engine.gatherer),
+                kept,
             )
             logger.info(text)
         if self.config.memory_breakdown and not self._memory_reported:

@@ -149,10 +149,33 @@ class ParamGatherer:
     (stage3_max_live_parameters). A step that runs units in another order stops prefetching at
     the first surprise and is recorded as the new order. Every rank records the same order, so
     prefetch all-gathers are issued in the same order everywhere. Collective throughout.
+
+    [Note: reuse distance]
+    A unit that runs forward in a training engine(...) call (grad enabled, module in train mode,
+    not a recomputation inside backward) stays gathered after its forward when, in the recorded
+    order, fewer than `max_reuse_numel` elements (stage3_max_reuse_distance; 0: never) are
+    gathered between its last forward and its backward: twice the elements of the units that
+    ran forward after it (their forward, then their backward). Its backward then all-gathers it
+    no second time, and it is released as any unit, when its backward is over. DeepSpeed's
+    default (1e9) keeps every unit of a model below half a billion elements gathered into
+    backward (stage 3 moves 2 Psi instead of 3 Psi), the last units of a larger one. The decision
+    depends only on the recorded order (each of its gathers agreed across ranks), the unit and
+    the call, so ranks running the same forward keep the same units; a rank whose forward left
+    the order gathers or skips what the others do not, and the agreement check of its next
+    all-gather, or of the end of backward, stops every rank. step() releases a unit kept by a
+    forward that no backward followed (refresh_gathered), so no forward reads pre-step values.
     """
 
     def __init__(
-        self, root, units, comm, compute_dtype, device, prefetch_numel=0, max_live_numel=None
+        self,
+        root,
+        units,
+        comm,
+        compute_dtype,
+        device,
+        prefetch_numel=0,
+        max_live_numel=None,
+        max_reuse_numel=0,
     ):
         self.root = root  # the model the units were chosen from
         self.units = units
@@ -161,6 +184,11 @@ class ParamGatherer:
         self.device = torch.device(device)  # where gathered parameters live
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
+        self.keeping = False  # inside a training engine(...) call ([Note: reuse distance])
+        self._reuse: dict[int, int] = {}  # unit index -> elements gathered until its backward
+        self._kept: set[int] = set()  # units kept gathered for backward, not yet fetched there
+        self.kept_numel = 0  # elements backward did not all-gather again (kept), all steps
         self.prefetch_hits = 0  # fetches that found their unit already being gathered
         self.busy = False  # inside our own ops: UsageGuard must not react to them
         self.buckets = []  # every bucket attached, trainable and frozen
@@ -272,11 +300,22 @@ class ParamGatherer:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
                 )
-            if not _in_backward():  # a recomputation's saved tensors are about to be used
+            if _in_backward():  # a recomputation's saved tensors are about to be used
+                return output
+            if self._keeps(unit):
+                self._kept.add(unit.index)
+            else:
                 self.release(unit)
             return output
 
         return hook
+
+    def _keeps(self, unit: Unit) -> bool:
+        """Whether `unit`, at the end of a forward call, stays gathered for its backward ([Note:
+        reuse distance])."""
+        if not (self.keeping and unit.backward and torch.is_grad_enabled()):
+            return False
+        return self._reuse.get(unit.index, self.max_reuse_numel) < self.max_reuse_numel
 
     def _keep_in_backward(self, unit: Unit, inputs: list, output):
         """A floating-point output that does not require grad on this rank (a mixture-of-experts
@@ -303,6 +342,9 @@ class ParamGatherer:
         launch = [unit] if unit.state is UnitState.SHARDED else []
         if unit.state is UnitState.GATHERING:
             self.prefetch_hits += 1
+        if direction == "backward" and unit.index in self._kept:
+            self._kept.discard(unit.index)
+            self.kept_numel += _unit_numel(unit)
         if direction is not None and self.prefetch_numel > 0:
             launch += self._prefetch_plan(unit, direction, launch)
         if launch:
@@ -515,6 +557,7 @@ class ParamGatherer:
                 self._release_bucket(bucket)
         unit.state = UnitState.SHARDED
         unit.pinned = False
+        self._kept.discard(unit.index)
 
     def release_bucket_after_backward(self, bucket) -> None:
         """All gradients of the trainable bucket arrived, so backward uses its parameters no more:
@@ -569,11 +612,22 @@ class ParamGatherer:
             unit.calls, unit.untracked, unit.backward = 0, False, False
         if self._trace:
             self._order, self._trace = self._trace, []
+            self._reuse = self._reuse_distances()
         self._cursor = {"forward": 0, "backward": 0}
         self._read_cursor = {"forward": 0, "backward": 0}
         if self.param_swap is not None:
             self.param_swap.drop_read_ahead()  # the step is about to change the shards
         self._last_launched, self._launched = self._launched, []
+
+    def _reuse_distances(self) -> dict[int, int]:
+        """Per unit of the recorded order: the elements gathered between its last forward and
+        its backward, twice those of the units that ran forward after it ([Note: reuse
+        distance])."""
+        distances, after = {}, 0
+        for index in reversed(self._order):
+            distances.setdefault(index, 2 * after)
+            after += _unit_numel(self.units[index])
+        return distances
 
     def forget_writes(self) -> None:
         """Accept in-place writes to gathered parameters without an error: a checkpoint load is

@@ -65,7 +65,8 @@ def test_kept_activations_match_autograd():
     assert kept <= sum(saved.values()) <= 1.01 * kept
 
 
-def _engine(model, stage: int, bucket: int, accumulation: int = 1):
+def _engine(model, stage: int, bucket: int, accumulation: int = 1, reuse: int = 0):
+    """reuse: stage3_max_reuse_distance (0: every unit released after its forward)."""
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accumulation,
@@ -74,6 +75,7 @@ def _engine(model, stage: int, bucket: int, accumulation: int = 1):
             "stage": stage,
             "reduce_bucket_size": bucket,
             "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": reuse,
         },
     }
     engine, _, _, _ = zero.initialize(model=model, config=config)
@@ -159,7 +161,9 @@ def test_stage3_released_units_free_their_weights_until_backward():
     layout = estimator.model_layout(
         _chain(3), 1, 3, estimator.Options(bucket_numel=72, persistence_threshold=0)
     )
-    settings = BufferSettings(3, num_shards=1, compute_bytes=4, reduce_bytes=4, prefetch_numel=0)
+    settings = BufferSettings(
+        3, num_shards=1, compute_bytes=4, reduce_bytes=4, prefetch_numel=0, reuse_numel=0
+    )
     assert buffer_bytes(layout, settings)["gathered parameters"] == 72 * 4  # one unit at a time
     engine.backward(loss)
     reference = _chain(3)
@@ -262,6 +266,27 @@ def test_stage3_recomputation_is_not_recorded_as_forward_order():
         "blocks.2",
         "head",
     ]
+
+
+def test_stage3_units_within_the_reuse_distance_stay_gathered_until_backward():
+    # Three units of 72 elements in a chain: from the second step on (the order is recorded),
+    # the last unit (nothing gathered after it) and the middle one (2 x 72 = 144 < 200) stay
+    # gathered from their forward to their backward; the first (288) is released.
+    engine = _engine(_chain(3), stage=3, bucket=72, reuse=200)
+    for step in range(3):
+        loss = engine(torch.randn(2, 8, requires_grad=True)).square().mean()
+        kept = [b.param_buffer is not None for b in engine.optimizer.buckets]  # last layer first
+        assert kept == ([False] * 3 if step == 0 else [True, True, False]), (step, kept)
+        engine.backward(loss)
+        engine.step()
+        assert all(b.param_buffer is None for b in engine.optimizer.buckets)
+    layout = estimator.model_layout(
+        _chain(3), 1, 3, estimator.Options(bucket_numel=72, persistence_threshold=0)
+    )
+    settings = BufferSettings(
+        3, num_shards=1, compute_bytes=4, reduce_bytes=4, prefetch_numel=0, reuse_numel=200
+    )
+    assert buffer_bytes(layout, settings)["gathered parameters"] >= 2 * 72 * 4
 
 
 def test_peak_at_backward_start_has_no_gradient_buffers_without_accumulation():

@@ -148,7 +148,9 @@ def max_diff(got: dict, model) -> float:
 
 
 # ----- the engine side (runs on every rank) -------------------------------------------------
-def engine_config(stage: int, dtype: str = "fp32", unit: int = 0, persist: int = 40) -> dict:
+def engine_config(
+    stage: int, dtype: str = "fp32", unit: int = 0, persist: int = 40, reuse: int = 10**9
+) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.0,
@@ -163,6 +165,7 @@ def engine_config(stage: int, dtype: str = "fp32", unit: int = 0, persist: int =
             "reduce_bucket_size": 3000,
             "stage3_module_granularity_threshold": unit,
             "stage3_param_persistence_threshold": persist,  # 40: norms and biases stay gathered
+            "stage3_max_reuse_distance": reuse,
             "stage3_gather_16bit_weights_on_model_save": True,
         },
     }
@@ -294,7 +297,8 @@ def merged_logits(state: dict) -> torch.Tensor:
 
 
 def lora_sweep(save_dir: str) -> dict:
-    """Llama with and without LoRA at stages 2 and 3 (every parameter partitioned at stage 3)."""
+    """Llama with and without LoRA at stages 2 and 3 (every parameter partitioned at stage 3,
+    and released after its forward: no unit kept for backward)."""
     from safetensors.torch import load_file
 
     import zero
@@ -302,7 +306,8 @@ def lora_sweep(save_dir: str) -> dict:
     out = {}
     for stage in (2, 3):
         for freeze in (None, "lora"):
-            engine = train(build("llama", freeze), engine_config(stage, persist=0), "llama")
+            cfg = engine_config(stage, persist=0, reuse=0)
+            engine = train(build("llama", freeze), cfg, "llama")
             res = {"held": held_bytes(engine)}
             if stage == 3:  # all-gathered elements in the last step, and each unit's size
                 res["gathered"] = engine.comm_stats()["all_gather"]["elements"]

@@ -83,6 +83,15 @@ def test_comms_report_counts_persistent_parameters():
     assert comms_report(step, 100, 3, 2, 0)[1]  # without them the expectation is 6 Psi
 
 
+def test_comms_report_counts_units_kept_for_backward():
+    # Stage 3, GAS 1, 100 parameters, 60 of them kept gathered from forward to backward:
+    # 300 - 60 = 240 elements (all-gather 140, reduce-scatter 100).
+    step = {"reduce_scatter": OpTotals(1, 100, 400), "all_gather": OpTotals(2, 140, 560)}
+    text, deviates = comms_report(step, 100, 3, 1, 0, kept=60)
+    assert not deviates and "expected 2.4 Psi" in text and "60 kept for backward" in text, text
+    assert comms_report(step, 100, 3, 1, 0)[1]
+
+
 class TiedNet(torch.nn.Module):
     """Two fetch units and small biases; `embed.weight` is used again outside embed's forward
     (as a tied lm_head is), which pins its unit until the end of backward."""
@@ -141,8 +150,11 @@ def stage3_runs():
 
 def test_stage3_persistent_and_pinned_not_flagged(stage3_runs):
     steps, totals, _ = stage3_runs[0]
-    # 1600 parameters, 64 of them persistent: 1536 * 6 + 64 * 3 = 9408 elements = 5.88 Psi.
-    assert "expected 5.88 Psi (stage 3, gradient accumulation 2, 64 persistent)" in totals[1]
+    # 1600 parameters, 64 of them persistent: 1536 * 6 + 64 * 3 = 9408 elements = 5.88 Psi,
+    # less the units kept gathered from each forward to its backward (the default
+    # stage3_max_reuse_distance keeps all of this small model's): 2 * 1536, 3.96 Psi.
+    expected = "expected 3.96 Psi (stage 3, gradient accumulation 2, 64 persistent, 3,072 kept"
+    assert expected in totals[1], totals[1]
     assert "DEVIATION" not in totals[1], totals[1]
     assert "DEVIATION" in totals[2], totals[2]
 

@@ -88,7 +88,7 @@ def reference(recompute):
     return model, evals
 
 
-def engine_run(recompute):
+def engine_run(recompute, reuse=0):
     import zero
 
     torch.manual_seed(0)
@@ -102,14 +102,18 @@ def engine_run(recompute):
             "reduce_bucket_size": 40,
             "stage3_param_persistence_threshold": 0,
             "stage3_module_granularity_threshold": 30,
+            "stage3_max_reuse_distance": reuse,
         },
     }
     engine, _, _, _ = zero.initialize(model=Modes(), config=cfg)
     evals, buffers = [], []
     for step in range(STEPS):
         x, y = data(step)
+        kept_before = engine.gatherer.kept_numel
         engine.backward(engine(x[engine.rank], y[engine.rank], recompute))
         engine.step()
+        kept = engine.gatherer.kept_numel - kept_before
+        gathered = engine.comm.ledger.last_step["all_gather"].elements
         engine.eval()
         with torch.no_grad():
             evals.append(engine(x[0], y[0]).item())
@@ -120,7 +124,14 @@ def engine_run(recompute):
     with zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     released = all(p.numel() == 0 for p in engine.module.parameters())
-    return {"params": params, "evals": evals, "buffers": buffers, "released": released}
+    return {
+        "params": params,
+        "evals": evals,
+        "buffers": buffers,
+        "released": released,
+        "kept": kept,  # of the last step
+        "gathered": gathered,  # of the last training step (no eval forward after it)
+    }
 
 
 class ScaledBlock(nn.Module):
@@ -162,7 +173,7 @@ def scaled_reference(reentrant):
     return dict(model.named_parameters())
 
 
-def scaled_run(reentrant):
+def scaled_run(reentrant, reuse):
     import zero
 
     torch.manual_seed(0)
@@ -174,22 +185,36 @@ def scaled_run(reentrant):
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
             "stage3_module_granularity_threshold": 60,  # each block one unit
+            "stage3_max_reuse_distance": reuse,
         },
     }
     engine, _, _, _ = zero.initialize(model=Scaled(), config=cfg)
     for step in range(STEPS):
         x, y = data(step)
+        kept = engine.gatherer.kept_numel
         engine.backward(engine(x[engine.rank], y[engine.rank], reentrant))
         engine.step()
     gathered = engine.comm_stats()["all_gather"]["elements"]
+    kept = engine.gatherer.kept_numel - kept
     with zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    return {"params": params, "gathered": gathered}
+    return {"params": params, "gathered": gathered, "kept": kept}
+
+
+REUSE = (0, 1, 10**9)  # stage3_max_reuse_distance: never keep, the last unit, every unit
 
 
 def sweep():
-    out = {recompute: engine_run(recompute) for recompute in (False, True)}
-    out["scaled"] = {reentrant: scaled_run(reentrant) for reentrant in (None, True, False)}
+    out = {
+        (recompute, reuse): engine_run(recompute, reuse)
+        for recompute in (False, True)
+        for reuse in REUSE
+    }
+    out["scaled"] = {
+        (reentrant, reuse): scaled_run(reentrant, reuse)
+        for reentrant in (None, True, False)
+        for reuse in (0, 10**9)
+    }
     return out
 
 
@@ -198,11 +223,12 @@ def per_rank():
     return run_ranks(sweep, WORLD)
 
 
+@pytest.mark.parametrize("reuse", REUSE)
 @pytest.mark.parametrize("recompute", [False, True])
-def test_matches_reference_with_buffers_frozen_checkpointing_and_eval(per_rank, recompute):
+def test_matches_reference_with_buffers_frozen_checkpointing_and_eval(per_rank, recompute, reuse):
     ref, ref_evals = reference(recompute)
     ref_params = dict(ref.named_parameters())
-    for res in (r[recompute] for r in per_rank):
+    for res in (r[recompute, reuse] for r in per_rank):
         assert res["released"]
         for name, value in res["params"].items():
             assert torch.allclose(value, ref_params[name], rtol=0, atol=1e-6), name
@@ -214,9 +240,23 @@ def test_matches_reference_with_buffers_frozen_checkpointing_and_eval(per_rank, 
             assert torch.allclose(got.to(want.dtype), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_units_kept_for_backward_are_not_gathered_again(per_rank, recompute):
+    """stage3_max_reuse_distance: units kept gathered from forward to backward save exactly
+    their all-gather, and the comms report expects that."""
+    for runs in per_rank:
+        kept = {reuse: runs[recompute, reuse]["kept"] for reuse in REUSE}
+        # With recompute the last block is a reentrant checkpoint, whose forward runs without
+        # grad: nothing to keep it for (its recomputation gathers it in backward).
+        assert 0 == kept[0] <= kept[1] < kept[10**9] and (recompute or kept[1] > 0), kept
+        for reuse in REUSE:
+            run = runs[recompute, reuse]
+            assert runs[recompute, 0]["gathered"] - run["gathered"] == kept[reuse], reuse
+
+
 def test_buffers_agree_across_ranks(per_rank):
     for recompute in (False, True):
-        first, second = (r[recompute]["buffers"] for r in per_rank)
+        first, second = (r[recompute, 0]["buffers"] for r in per_rank)
         for step_a, step_b in zip(first, second):
             for (_, a), (_, b) in zip(step_a, step_b):
                 assert torch.equal(a, b)
@@ -226,6 +266,13 @@ def test_buffers_agree_across_ranks(per_rank):
 def test_frozen_weight_needed_after_the_trainable_gradients(per_rank, reentrant):
     ref = scaled_reference(reentrant)
     for runs in (r["scaled"] for r in per_rank):
-        for name, value in runs[reentrant]["params"].items():
-            assert torch.allclose(value, ref[name], rtol=0, atol=1e-6), name
-        assert runs[reentrant]["gathered"] == runs[None]["gathered"]
+        for reuse in (0, 10**9):
+            for name, value in runs[reentrant, reuse]["params"].items():
+                assert torch.allclose(value, ref[name], rtol=0, atol=1e-6), (name, reuse)
+        assert runs[reentrant, 0]["gathered"] == runs[None, 0]["gathered"]
+        # Without checkpointing the default stage3_max_reuse_distance keeps units for backward
+        # (a checkpointed block's forward runs without grad: its recomputation gathers it).
+        assert runs[None, 10**9]["kept"] > 0
+        assert (
+            runs[None, 0]["gathered"] - runs[None, 10**9]["gathered"] == runs[None, 10**9]["kept"]
+        )
