@@ -58,6 +58,10 @@ class CommLedger:
     # synchronous collective's whole call, an asynchronous one's launch and wait()), i.e. the
     # communication that did not overlap compute (monitor.py, [Note: step-time breakdown]).
     waited: dict[str, float] = field(default_factory=dict)
+    # Elements stage 3 did not all-gather in backward because their unit stayed gathered from its
+    # forward ([Note: reuse distance] in engine/stage3.py): this step's, and the previous step's.
+    kept: int = 0
+    last_kept: int = 0
 
     def record(self, op: str, elements: int, element_size: int) -> None:
         """Count one collective of `elements` (paper units) of `element_size` bytes each."""
@@ -74,6 +78,7 @@ class CommLedger:
     def end_step(self) -> None:
         """Close the optimizer step: its totals move to `last_step`, counting restarts at 0."""
         self.last_step, self.current = self.current, {}
+        self.last_kept, self.kept = self.kept, 0
         self.waited = {}
 
 

@@ -187,7 +187,6 @@ class StepMonitor:
         self._losses: list[torch.Tensor] = []
         self._last_boundary = time.perf_counter()
         self._memory_reported = False
-        self._kept_before = 0  # the gatherer's kept_numel at the last step
         self.last = {}  # the figures of the last optimizer step, for tests and callers
 
     def attach(self, comm) -> None:
@@ -241,8 +240,6 @@ class StepMonitor:
         self._write_events(figures, engine.global_samples)
         if printing:
             logger.info(self.format_step(figures))
-        kept_total = engine.gatherer.kept_numel if engine.gatherer is not None else 0
-        kept, self._kept_before = kept_total - self._kept_before, kept_total
         if self.config.comms_logger.enabled and engine.world_size > 1:
             text, _ = comms_report(
                 engine.comm.ledger.last_step,
@@ -251,7 +248,7 @@ class StepMonitor:
                 self.config.gradient_accumulation_steps,
                 self.rank,
                 persistent_numel(engine.gatherer),
-                kept,
+                engine.comm.ledger.last_kept,
             )
             logger.info(text)
         if self.config.memory_breakdown and not self._memory_reported:

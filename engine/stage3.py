@@ -188,7 +188,6 @@ class ParamGatherer:
         self.keeping = False  # inside a training engine(...) call ([Note: reuse distance])
         self._reuse: dict[int, int] = {}  # unit index -> elements gathered until its backward
         self._kept: set[int] = set()  # units kept gathered for backward, not yet fetched there
-        self.kept_numel = 0  # elements backward did not all-gather again (kept), all steps
         self.prefetch_hits = 0  # fetches that found their unit already being gathered
         self.busy = False  # inside our own ops: UsageGuard must not react to them
         self.buckets = []  # every bucket attached, trainable and frozen
@@ -344,7 +343,7 @@ class ParamGatherer:
             self.prefetch_hits += 1
         if direction == "backward" and unit.index in self._kept:
             self._kept.discard(unit.index)
-            self.kept_numel += _unit_numel(unit)
+            self.comm.ledger.kept += _unit_numel(unit)
         if direction is not None and self.prefetch_numel > 0:
             launch += self._prefetch_plan(unit, direction, launch)
         if launch:

@@ -109,11 +109,9 @@ def engine_run(recompute, reuse=0):
     evals, buffers = [], []
     for step in range(STEPS):
         x, y = data(step)
-        kept_before = engine.gatherer.kept_numel
         engine.backward(engine(x[engine.rank], y[engine.rank], recompute))
         engine.step()
-        kept = engine.gatherer.kept_numel - kept_before
-        gathered = engine.comm.ledger.last_step["all_gather"].elements
+        kept, gathered = engine.comm.ledger.last_kept, engine.comm_stats()["all_gather"]["elements"]
         engine.eval()
         with torch.no_grad():
             evals.append(engine(x[0], y[0]).item())
@@ -191,11 +189,9 @@ def scaled_run(reentrant, reuse):
     engine, _, _, _ = zero.initialize(model=Scaled(), config=cfg)
     for step in range(STEPS):
         x, y = data(step)
-        kept = engine.gatherer.kept_numel
         engine.backward(engine(x[engine.rank], y[engine.rank], reentrant))
         engine.step()
-    gathered = engine.comm_stats()["all_gather"]["elements"]
-    kept = engine.gatherer.kept_numel - kept
+    gathered, kept = engine.comm_stats()["all_gather"]["elements"], engine.comm.ledger.last_kept
     with zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     return {"params": params, "gathered": gathered, "kept": kept}
