@@ -47,6 +47,7 @@ from .stage3 import (
     UsageGuard,
     choose_units,
     is_leaf,
+    persistent_unit,
     unmanaged_parameter,
 )
 from .stages import ReduceSettings, ZeroOptimizer, check_optimizer
@@ -140,6 +141,7 @@ class Engine(torch.nn.Module):
                 nvme.sub_group_bucket_numel(config, self._num_shards()),
                 self._num_shards(),
                 unit_of,
+                persistent_unit(units),
             ),
             self._reduce_settings(mpu),
             comm,

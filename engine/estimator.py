@@ -165,7 +165,7 @@ def model_layout(model, num_shards: int, stage: int, options: Options) -> Layout
     """The exact LayoutSummary of `model` (may live on the meta device), one param group of its
     trainable parameters, laid out as the engine does (stage 3: its fetch units)."""
     from .flat import FlatLayout
-    from .stage3 import choose_units
+    from .stage3 import choose_units, persistent_unit
 
     units, unit_of = [], None
     if stage == 3:
@@ -178,7 +178,7 @@ def model_layout(model, num_shards: int, stage: int, options: Options) -> Layout
         if param.requires_grad and param.numel() and id(param) not in seen:
             seen.add(id(param))
             named.append((name, param))
-    layout = FlatLayout([named], options.bucket_numel, num_shards, unit_of)
+    layout = FlatLayout([named], options.bucket_numel, num_shards, unit_of, persistent_unit(units))
     per_unit = [0] * len(units)
     for bucket in layout.buckets if units else ():
         per_unit[bucket.unit] += bucket.padded_numel

@@ -13,12 +13,17 @@ Stage 0 uses num_shards 1: every rank owns everything.
 
 [Note: units laid out together]
 At stage 3 a bucket never spans two fetch units, and the parameters of one unit are moved
-together (units in the order their first parameter comes). In registration order a unit's
-parameters are interleaved with those of the persistent unit (biases and norms below
-stage3_param_persistence_threshold), and each switch would close a bucket: a GPT of 6 blocks
-went from 49 buckets, one per weight or bias, to 2, and its stage-3 step from 73 all-gathers and
-49 reduce-scatters to 3 and 2. Checkpoints record each group's order and load into any other
-([Note: world-size independent coordinates] in engine/checkpoint.py).
+together, to the place of its last one (about where backward completes its gradients). In
+registration order a unit's parameters are interleaved with those of the persistent unit
+(biases and norms below stage3_param_persistence_threshold), and each switch would close a
+bucket: a GPT of 6 blocks had 49 buckets, one per weight or bias, and its stage-3 step 73
+all-gathers and 49 reduce-scatters. The persistent unit's parameters, spread over the whole
+model, stay in place, so each run of them between two other units is a bucket that backward
+completes as it passes: buckets are reduced in layout order, and the persistent unit as one
+bucket would complete only at the end of backward (the first layer's norm), holding back
+every other reduce-scatter, and the gradient staging, until then. Checkpoints record each
+group's order and load into any other ([Note: world-size independent coordinates] in
+engine/checkpoint.py).
 
 The layout is pure bookkeeping (no tensors), so checkpoints and tests can reason about it alone.
 Shapes are full shapes, also for parameters that zero.Init holds partitioned.
@@ -76,15 +81,20 @@ class FlatLayout:
         bucket_numel: the most elements a bucket holds (DeepSpeed key reduce_bucket_size).
         num_shards: how many ranks split each bucket (the data-parallel world size, or 1).
         unit_of: stage 3: id(param) -> fetch unit; a bucket never spans two units.
+        persistent_unit: stage 3: the persistent unit's index, whose parameters stay in place
+            ([Note: units laid out together]).
 
     Raises ValueError for a non-positive bucket size or shard count.
     """
 
-    def __init__(self, named_groups, bucket_numel: int, num_shards: int, unit_of=None):
+    def __init__(
+        self, named_groups, bucket_numel: int, num_shards: int, unit_of=None, persistent_unit=None
+    ):
         if bucket_numel <= 0 or num_shards <= 0:
             raise ValueError(f"bucket_numel={bucket_numel} and num_shards={num_shards} must be > 0")
         self.num_shards = num_shards
         self._unit_of = unit_of or {}
+        self._persistent_unit = persistent_unit
         self.buckets: list[BucketLayout] = []
         self.group_numel: list[int] = []
         self._slot_of: dict[int, Slot] = {}
@@ -92,14 +102,14 @@ class FlatLayout:
             self._pack_group(group_index, self._unit_order(reversed(list(named))), bucket_numel)
 
     def _unit_order(self, named) -> list:
-        """[Note: units laid out together] `named` with each fetch unit's parameters moved
-        together, units in order of their first parameter (a stable sort: stages 0-2, which
-        have no units, keep the order)."""
+        """[Note: units laid out together] `named` with each fetch unit's parameters moved to
+        its last one, except the persistent unit's (stages 0-2, which have no units, keep the
+        order)."""
         named = list(named)
-        first: dict[int, int] = {}
-        for _, param in named:
-            first.setdefault(self._unit_of.get(id(param), 0), len(first))
-        return sorted(named, key=lambda item: first[self._unit_of.get(id(item[1]), 0)])
+        units = [self._unit_of.get(id(param), 0) for _, param in named]
+        last = {unit: i for i, unit in enumerate(units)}
+        keys = [i if u == self._persistent_unit else last[u] for i, u in enumerate(units)]
+        return [named[i] for i in sorted(range(len(named)), key=keys.__getitem__)]
 
     def _pack_group(self, group: int, named, bucket_numel: int) -> None:
         start = 0

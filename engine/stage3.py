@@ -138,6 +138,11 @@ def choose_units(
     return units, unit_of
 
 
+def persistent_unit(units: list) -> int | None:
+    """The index of the persistent unit among choose_units()'s units, or None."""
+    return next((u.index for u in units if u.persistent), None)
+
+
 class ParamGatherer:
     """Gathers and releases units' parameters, prefetches, installs the module hooks.
 
