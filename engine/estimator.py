@@ -192,15 +192,18 @@ def model_layout(model, num_shards: int, stage: int, options: Options) -> Layout
     )
 
 
-def comm_psi(stage: int, gradient_accumulation_steps: int = 1, persistent: float = 0.0) -> float:
+def comm_psi(
+    stage: int, gradient_accumulation_steps: int = 1, persistent: float = 0.0, kept: float = 0.0
+) -> float:
     """Expected elements per rank per optimizer step, in Psi (paper section 7): 2 for stages 0-1
     (reduced once, at the boundary); stage 2 reduce-scatters every micro-batch (GAS + 1); stage 3
     gathers twice and reduce-scatters every micro-batch (3 GAS), except its persistent
     parameters, the fraction `persistent` of Psi, which are reduce-scattered every micro-batch and
-    gathered once, after the step (GAS + 1)."""
+    gathered once, after the step (GAS + 1), and the fraction `kept` of Psi per micro-batch that
+    stays gathered from its forward to its backward (stage3_max_reuse_distance): gathered once."""
     gas = gradient_accumulation_steps
     if stage == 3:
-        return 3.0 * gas * (1.0 - persistent) + (gas + 1.0) * persistent
+        return 3.0 * gas * (1.0 - persistent) + (gas + 1.0) * persistent - gas * kept
     return {0: 2.0, 1: 2.0, 2: gas + 1.0}[stage]
 
 
@@ -264,7 +267,11 @@ def estimate_stage(
         and per_host <= (1 - options.headroom) * cluster.host_memory
     )
     persistent = layout.persistent_numel / layout.padded_numel if stage == 3 else 0.0
-    comm = comm_psi(stage, options.gradient_accumulation_steps, persistent)
+    # Units kept for backward: those with fewer than reuse_numel elements gathered after them,
+    # twice the units that follow (about the last reuse_numel / 2 elements of the forward).
+    sharded = layout.padded_numel - layout.persistent_numel
+    kept = min(sharded, options.reuse_numel // 2) / layout.padded_numel if stage == 3 else 0.0
+    comm = comm_psi(stage, options.gradient_accumulation_steps, persistent, kept)
     buffers = sum(peak.buffers.values())
     acts = activations.peak if activations else 0
     return Estimate(

@@ -151,7 +151,7 @@ def comms_report(
             f"comms rank {rank}: {op:<16}{t.calls:>7}{t.elements:>14,}{t.bytes:>15,}"
             f"{t.seconds * 1e3:>10.2f}"
         )
-    expected = comm_psi(stage, gas, persistent / psi if psi else 0.0) - (kept / psi if psi else 0)
+    expected = comm_psi(stage, gas, persistent / psi, kept / gas / psi) if psi else 0.0
     measured = total / psi if psi else 0.0
     deviates = abs(measured - expected) > 0.01 * expected
     flag = "  DEVIATION > 1%" if deviates else ""

@@ -179,3 +179,15 @@ def test_grad_accum_dtype_flag_config_and_offer(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "recommended: stage 2 without offload" in printed
     assert "grad_accum_dtype bf16" in printed and "stage 1 without offload fits" in printed
+
+
+def test_stage3_comm_counts_units_kept_for_backward():
+    # 1.5e9 parameters: the default stage3_max_reuse_distance (1e9) keeps the forward's last
+    # 5e8 elements gathered into backward, so a third of the model is gathered once, not twice.
+    cluster = estimator.Cluster(nodes=1, devices_per_node=8)
+    for reuse, expected in ((10**9, 3 - 1 / 3), (0, 3.0)):
+        options = estimator.Options(reuse_numel=reuse, persistence_threshold=0)
+        row = next(r for r in estimator.estimate(1.5e9, cluster, options) if r.stage == 3)
+        assert row.comm_psi == pytest.approx(expected, rel=1e-3), reuse
+    # GAS 2: 3 * 2 * 0.9 + 3 * 0.1 - 2 * 0.5
+    assert estimator.comm_psi(3, 2, persistent=0.1, kept=0.5) == pytest.approx(4.7)
