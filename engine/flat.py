@@ -17,13 +17,13 @@ together, to the place of its last one (about where backward completes its gradi
 registration order a unit's parameters are interleaved with those of the persistent unit
 (biases and norms below stage3_param_persistence_threshold), and each switch would close a
 bucket: a GPT of 6 blocks had 49 buckets, one per weight or bias, and its stage-3 step 73
-all-gathers and 49 reduce-scatters (now 3 buckets, 3 and 3). The persistent unit's parameters, spread over the whole
-model, stay in place, so each run of them between two other units is a bucket that backward
-completes as it passes: buckets are reduced in layout order, and the persistent unit as one
-bucket would complete only at the end of backward (the first layer's norm), holding back
-every other reduce-scatter, and the gradient staging, until then. Checkpoints record each
-group's order and load into any other ([Note: world-size independent coordinates] in
-engine/checkpoint.py).
+all-gathers and 49 reduce-scatters (now 3 buckets, 3 and 3). The persistent unit's
+parameters, spread over the whole model, stay in place, so each run of them between two other
+units is a bucket that backward completes as it passes: buckets are reduced in layout order,
+and the persistent unit as one bucket would complete only at the end of backward (the first
+layer's norm), holding back every other reduce-scatter, and the gradient staging, until then.
+Checkpoints record each group's order and load into any other ([Note: world-size independent
+coordinates] in engine/checkpoint.py).
 
 The layout is pure bookkeeping (no tensors), so checkpoints and tests can reason about it alone.
 Shapes are full shapes, also for parameters that zero.Init holds partitioned.
