@@ -388,6 +388,8 @@ class Engine(torch.nn.Module):
         if self.gatherer is None:
             with timer:
                 return self.module(*args, **kwargs)
+        if training:
+            self.gatherer.release_kept()  # kept by a forward whose backward never came
         self.gatherer.keeping = training  # units may stay gathered for backward
         try:
             with timer, UsageGuard(self.gatherer), self.gatherer.saved_weights():

@@ -167,8 +167,11 @@ class ParamGatherer:
     depends only on the recorded order (each of its gathers agreed across ranks), the unit and
     the call, so ranks running the same forward keep the same units; a rank whose forward left
     the order gathers or skips what the others do not, and the agreement check of its next
-    all-gather, or of the end of backward, stops every rank. step() releases a unit kept by a
-    forward that no backward followed (refresh_gathered), so no forward reads pre-step values.
+    all-gather, or of the end of backward, stops every rank. A training forward first releases
+    what an earlier forward kept for a backward that never came (release_kept): a rank that
+    skipped its backward then all-gathers while the others end theirs, and every rank stops
+    before stepping. step() releases a unit kept by a forward that no backward followed
+    (refresh_gathered), so no forward reads pre-step values.
     """
 
     def __init__(
@@ -622,6 +625,15 @@ class ParamGatherer:
         if self.param_swap is not None:
             self.param_swap.drop_read_ahead()  # the step is about to change the shards
         self._last_launched, self._launched = self._launched, []
+
+    def release_kept(self) -> None:
+        """Release the units a training forward kept for a backward that has not come (another
+        training forward came first). Each training forward then all-gathers, and agrees on,
+        every unit it runs, so a rank that skipped a backward (`if not loss.isfinite():
+        continue` on one rank) is caught at its next forward, before any rank steps ([Note:
+        reuse distance]). Collective only through the units' later gathers."""
+        for index in sorted(self._kept):
+            self.release(self.units[index])
 
     def _reuse_distances(self) -> dict[int, int]:
         """Per unit of the recorded order: the elements gathered between its last forward and

@@ -5,7 +5,8 @@
   is one fetch unit (stage3_module_classes, or zero.utils.set_z3_leaf_modules); without that,
   every rank stops at the first all-gather that differs, naming the block's class.
 - Ranks running different heads (same or different sizes), or one rank skipping a module, stop
-  with one message on every rank naming both ranks' units.
+  with one message on every rank naming both ranks' units. A rank that drops a micro-batch
+  after its forward stops every rank before the next step, with units kept for backward too.
 - A module attached after zero.initialize is refused (stage 3 at its first use, stages 0-2 at
   the step), naming the parameter.
 - Collective methods called on some ranks only end in an error on every rank within
@@ -280,6 +281,41 @@ def test_ranks_running_different_modules_stop_with_one_message(world_size):
                 assert "unit 'head_b'" in message, message
             else:
                 assert "unit 'head_a'" in message and "unit 'head_b'" in message, message
+
+
+def dropped_micro_batch(reuse):
+    """Rank 1 drops its third micro-batch after the forward (`if not loss.isfinite(): continue`)
+    and goes on. Returns this rank's error, its optimizer steps, and whether its fp32 master
+    shards are those after the second step."""
+    import zero
+
+    torch.manual_seed(0)
+    cfg = _heads_config()
+    cfg["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+    engine, _, _, _ = zero.initialize(model=Heads(8), config=cfg)
+    try:
+        for step in range(4):
+            if step == 2:
+                before = [b.master.clone() for b in engine.optimizer.buckets]
+            loss = engine(torch.randn(2, 8), "a")
+            if step == 2 and engine.rank == 1:
+                continue
+            engine.backward(loss)
+            engine.step()
+        return None, engine.global_steps, False
+    except zero.RankMismatchError as error:
+        abandon_group()
+        masters = [b.master for b in engine.optimizer.buckets]
+        return str(error), engine.global_steps, all(map(torch.equal, before, masters))
+
+
+@pytest.mark.parametrize("reuse", [0, 10**9])
+def test_a_rank_dropping_a_micro_batch_stops_every_rank_before_the_next_step(reuse):
+    """With units kept gathered for backward (stage3_max_reuse_distance), rank 1's next forward
+    gathers them again, so it meets rank 0's end of backward, as without keeping."""
+    for message, steps, unchanged in run_ranks(dropped_micro_batch, 2, reuse):
+        assert message is not None and "ranks disagree on the next collective" in message
+        assert steps == 2 and unchanged, (steps, message)
 
 
 def different_models():
