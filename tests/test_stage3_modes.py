@@ -128,7 +128,7 @@ def engine_run(recompute, reuse=0):
         "buffers": buffers,
         "released": released,
         "kept": kept,  # of the last step
-        "gathered": gathered,  # of the last training step (no eval forward after it)
+        "gathered": gathered,  # last step, the eval forwards after the step before included
     }
 
 
