@@ -563,12 +563,8 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, files: dict, cr
         "stage": engine.config.zero.stage,
         "compute_dtype": str(engine.config.compute_dtype).replace("torch.", ""),
         "groups": [
-            [
-                {"name": s.name, "shape": list(s.shape)}
-                for b in _group_buckets(engine, g)
-                for s in b.layout.slots
-            ]
-            for g in range(engine.optimizer.layout.num_groups)
+            [{"name": s.name, "shape": list(s.shape)} for s in slots]
+            for slots in _group_slots(engine)
         ],
         "ties": _ties(engine.module),
         "ranks": ranks,
@@ -905,22 +901,20 @@ class GroupReader:
         return self._handles[file]
 
 
-def _layout_order(engine) -> list[list[str]]:
-    """Per param group, the trained parameters' names in the engine's layout order."""
+def _group_slots(engine) -> list[list]:
+    """Per param group, the trained parameters' layout Slots in the engine's layout order."""
     return [
-        [s.name for b in _group_buckets(engine, g) for s in b.layout.slots]
+        [s for b in _group_buckets(engine, g) for s in b.layout.slots]
         for g in range(engine.optimizer.layout.num_groups)
     ]
 
 
-def _layout_problems(meta: dict, engine) -> list[str]:
+def _layout_problems(meta: dict, slots: list[list]) -> list[str]:
     """Differences between the saved trained parameters (names, shapes, param groups) and the
-    engine's; the order within a group may differ (GroupReader follows it)."""
+    engine's (`slots`, _group_slots); the order within a group may differ (GroupReader follows
+    it)."""
     saved = [sorted((p["name"], tuple(p["shape"])) for p in group) for group in meta["groups"]]
-    current = [
-        sorted((s.name, s.shape) for b in _group_buckets(engine, g) for s in b.layout.slots)
-        for g in range(engine.optimizer.layout.num_groups)
-    ]
+    current = [sorted((s.name, s.shape) for s in group) for group in slots]
     if saved == current:
         return []
     saved_all = {n: s for g in saved for n, s in g}
@@ -983,8 +977,10 @@ def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
     (before it opens them), each tensor's dtype and shape, the training state's keys."""
     path = resolve(load_dir, tag)
     meta = read_meta(path)
-    layout_problems = [f"{META}: {p}" for p in _layout_problems(meta, engine)]
-    reader = GroupReader(path, meta, None if layout_problems else _layout_order(engine))
+    slots = _group_slots(engine)
+    layout_problems = [f"{META}: {p}" for p in _layout_problems(meta, slots)]
+    order = [[s.name for s in group] for group in slots]
+    reader = GroupReader(path, meta, None if layout_problems else order)
     shard = engine.optimizer.layout.shard_of(engine.comm.rank)
     owned = [
         (group, lo, hi, bucket)

@@ -168,7 +168,8 @@ class _Places:
                 )
 
     def finish(self) -> None:
-        """Stage 3: gather the persistent unit's new values. Collective."""
+        """Stage 3: gather the persistent unit's new values and release any other unit still
+        gathered with old ones (ParamGatherer.refresh_gathered). Collective."""
         if self.optimizer is not None and self.optimizer.gatherer is not None:
             self.optimizer.gatherer.refresh_gathered()
 
