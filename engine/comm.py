@@ -62,6 +62,10 @@ class CommLedger:
     # forward ([Note: reuse distance] in engine/stage3.py): this step's, and the previous step's.
     kept: int = 0
     last_kept: int = 0
+    # Elements stage 3 all-gathered for frozen parameters (not in Psi, which counts trainable
+    # ones): this step's, and the previous step's. `kept` counts trainable units' elements only.
+    frozen: int = 0
+    last_frozen: int = 0
 
     def record(self, op: str, elements: int, element_size: int) -> None:
         """Count one collective of `elements` (paper units) of `element_size` bytes each."""
@@ -79,6 +83,7 @@ class CommLedger:
         """Close the optimizer step: its totals move to `last_step`, counting restarts at 0."""
         self.last_step, self.current = self.current, {}
         self.last_kept, self.kept = self.kept, 0
+        self.last_frozen, self.frozen = self.frozen, 0
         self.waited = {}
 
 

@@ -124,10 +124,17 @@ def memory_in_use(device: torch.device) -> int:
 
 
 def persistent_numel(gatherer) -> int:
-    """Elements (unpadded) of stage 3's persistent unit; 0 without a gatherer or one."""
+    """Elements (unpadded) of stage 3's persistent unit's trainable parameters; 0 without a
+    gatherer or one."""
     if gatherer is None:
         return 0
-    return sum(b.layout.numel for u in gatherer.units if u.persistent for b in u.buckets)
+    return sum(
+        b.layout.numel
+        for u in gatherer.units
+        if u.persistent
+        for b in u.buckets
+        if b.master is not None
+    )
 
 
 def comms_report(
@@ -138,11 +145,14 @@ def comms_report(
     rank: int,
     persistent: int = 0,
     kept: int = 0,
+    frozen: int = 0,
 ) -> tuple[str, bool]:
     """The comms ledger of one optimizer step as text, and whether the total deviates from the
     paper's expectation (estimator.comm_psi, with `persistent` of the `psi` elements in stage 3's
     persistent unit, less the `kept` elements stage 3 kept gathered from a forward to its
-    backward, [Note: reuse distance]) by more than 1%. `ledger_step`: op -> OpTotals."""
+    backward, [Note: reuse distance]) by more than 1%. `ledger_step`: op -> OpTotals. `psi`
+    counts trainable parameters: the `frozen` elements stage 3 all-gathered for frozen ones are
+    left out of the total and named beside it."""
     lines = [f"comms rank {rank}: {'op':<16}{'calls':>7}{'elements':>14}{'bytes':>15}{'ms':>10}"]
     total = 0
     for op, t in sorted(ledger_step.items()):
@@ -152,14 +162,15 @@ def comms_report(
             f"{t.seconds * 1e3:>10.2f}"
         )
     expected = comm_psi(stage, gas, persistent / psi, kept / gas / psi) if psi else 0.0
-    measured = total / psi if psi else 0.0
+    measured = (total - frozen) / psi if psi else 0.0
     deviates = abs(measured - expected) > 0.01 * expected
     flag = "  DEVIATION > 1%" if deviates else ""
     notes = f", {persistent:,} persistent" if stage == 3 and persistent else ""
     notes += f", {kept:,} kept for backward" if kept else ""
+    frozen_note = f" + {frozen:,} elements of frozen parameters" if frozen else ""
     lines.append(
-        f"comms rank {rank}: total {measured:.4f} Psi (Psi={psi:,}); expected {expected:.4g} Psi "
-        f"(stage {stage}, gradient accumulation {gas}{notes}){flag}"
+        f"comms rank {rank}: total {measured:.4f} Psi (Psi={psi:,}){frozen_note}; "
+        f"expected {expected:.4g} Psi (stage {stage}, gradient accumulation {gas}{notes}){flag}"
     )
     return "\n".join(lines), deviates
 
@@ -249,6 +260,7 @@ class StepMonitor:
                 self.rank,
                 persistent_numel(engine.gatherer),
                 engine.comm.ledger.last_kept,
+                engine.comm.ledger.last_frozen,
             )
             logger.info(text)
         if self.config.memory_breakdown and not self._memory_reported:

@@ -351,7 +351,7 @@ class ParamGatherer:
             self.prefetch_hits += 1
         if direction == "backward" and unit.index in self._kept:
             self._kept.discard(unit.index)
-            self.comm.ledger.kept += _unit_numel(unit)
+            self.comm.ledger.kept += _unit_numel(unit, trainable=True)
         if direction is not None and self.prefetch_numel > 0:
             launch += self._prefetch_plan(unit, direction, launch)
         if launch:
@@ -433,6 +433,8 @@ class ParamGatherer:
             bucket.layout.padded_numel, dtype=self.compute_dtype, device=self.device
         )
         bucket.pending = self.comm.all_gather(buffer, shard, async_op=True)
+        if bucket.master is None and self.comm.world_size > 1:  # frozen: not in Psi
+            self.comm.ledger.frozen += buffer.numel()
         bucket.param_buffer = buffer
         if not unit.persistent:
             self._gathered_storage[buffer.untyped_storage().data_ptr()] = bucket
@@ -889,8 +891,9 @@ def _map_floats(value, fn):
     return value
 
 
-def _unit_numel(unit: Unit) -> int:
-    return sum(b.layout.padded_numel for b in unit.buckets)
+def _unit_numel(unit: Unit, trainable: bool = False) -> int:
+    """Elements of the unit's buckets, padded; of its trainable buckets only when `trainable`."""
+    return sum(b.layout.padded_numel for b in unit.buckets if not trainable or b.master is not None)
 
 
 class UsageGuard(TorchFunctionMode):

@@ -1,6 +1,6 @@
 """Step log, wall-clock timers, CSV and TensorBoard monitors, the comms report's flag, and (on
 2 ranks, one spawn) the stage-3 expectation with persistent parameters, a pinned unit and
-gradient accumulation, and the step-time breakdown."""
+gradient accumulation, a frozen layer's traffic kept out of Psi, and the step-time breakdown."""
 
 import csv
 import importlib.util
@@ -105,6 +105,21 @@ class TiedNet(torch.nn.Module):
         return self.mid(torch.relu(self.embed(x))) @ self.embed.weight
 
 
+class FrozenMiddle(torch.nn.Module):
+    """A frozen layer between two trainable ones: backward all-gathers its weight again for
+    the gradient of its input, traffic that is not in Psi (Psi counts trainable parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 32)
+        self.frozen = torch.nn.Linear(32, 32)
+        self.mid = torch.nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.mid(torch.relu(self.frozen(self.embed(x))))
+
+
 def _stage3_ledger():
     messages = []
     handler = logging.Handler(logging.INFO)
@@ -140,7 +155,16 @@ def _stage3_ledger():
         reports.append(engine.monitor.last["timers"])
     steps = [m for m in messages if m.startswith("step=")]
     totals = [m.splitlines()[-1] for m in messages if m.startswith("comms rank")]
-    return steps, totals, reports
+    frozen = {}
+    for reuse in (0, 10**9):
+        messages.clear()
+        config["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+        engine, _, _, _ = zero.initialize(model=FrozenMiddle(), config=config)
+        for _ in range(4):
+            micro_batch()
+            engine.step()
+        frozen[reuse] = [m.splitlines()[-1] for m in messages if m.startswith("comms rank")]
+    return steps, totals, reports, frozen
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +173,7 @@ def stage3_runs():
 
 
 def test_stage3_persistent_and_pinned_not_flagged(stage3_runs):
-    steps, totals, _ = stage3_runs[0]
+    steps, totals, _, _ = stage3_runs[0]
     # 1600 parameters, 64 of them persistent: 1536 * 6 + 64 * 3 = 9408 elements = 5.88 Psi,
     # less the units kept gathered from each forward to its backward (the default
     # stage3_max_reuse_distance keeps all of this small model's): 2 * 1536, 3.96 Psi.
@@ -159,8 +183,24 @@ def test_stage3_persistent_and_pinned_not_flagged(stage3_runs):
     assert "DEVIATION" in totals[2], totals[2]
 
 
+def test_frozen_parameters_traffic_named_apart_from_psi(stage3_runs):
+    frozen = stage3_runs[0][3]
+    # Psi = 1600 trainable (embed 544, mid 1056), 64 of them persistent (their biases). The
+    # frozen weight (1024) is gathered in forward and again in backward for its input's
+    # gradient (twice per micro-batch, 2 micro-batches), its bias (persistent) after the step.
+    expected = {
+        0: "total 5.8800 Psi (Psi=1,600) + 4,128 elements of frozen parameters; expected 5.88",
+        # Kept from forward to backward: the trainable weights (512 + 1024) per micro-batch and
+        # the frozen weight, which backward then does not gather again.
+        10**9: "total 3.9600 Psi (Psi=1,600) + 2,080 elements of frozen parameters; expected 3.96",
+    }
+    for reuse, text in expected.items():
+        assert text in frozen[reuse][-1], frozen[reuse][-1]
+        assert not any("DEVIATION" in line for line in frozen[reuse]), frozen[reuse]
+
+
 def test_step_log_splits_reduce_and_all_gather(stage3_runs):
-    for _, _, timers in stage3_runs:
+    for _, _, timers, _ in stage3_runs:
         # From the second step on the waiting is split out (the first step binds the ledger).
         for figures in timers[1:]:
             assert set(figures) == {"forward", "backward", "reduce", "all_gather", "optimizer"}

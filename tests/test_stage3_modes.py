@@ -88,6 +88,12 @@ def reference(recompute):
     return model, evals
 
 
+def trainable_gathered(engine) -> int:
+    """Elements all-gathered for trainable parameters in the last step (the frozen ones' are
+    counted apart: comm.CommLedger.frozen)."""
+    return engine.comm_stats()["all_gather"]["elements"] - engine.comm.ledger.last_frozen
+
+
 def engine_run(recompute, reuse=0):
     import zero
 
@@ -111,7 +117,7 @@ def engine_run(recompute, reuse=0):
         x, y = data(step)
         engine.backward(engine(x[engine.rank], y[engine.rank], recompute))
         engine.step()
-        kept, gathered = engine.comm.ledger.last_kept, engine.comm_stats()["all_gather"]["elements"]
+        kept, gathered = engine.comm.ledger.last_kept, trainable_gathered(engine)
         engine.eval()
         with torch.no_grad():
             evals.append(engine(x[0], y[0]).item())
@@ -191,7 +197,7 @@ def scaled_run(reentrant, reuse):
         x, y = data(step)
         engine.backward(engine(x[engine.rank], y[engine.rank], reentrant))
         engine.step()
-    gathered, kept = engine.comm_stats()["all_gather"]["elements"], engine.comm.ledger.last_kept
+    gathered, kept = trainable_gathered(engine), engine.comm.ledger.last_kept
     with zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     return {"params": params, "gathered": gathered, "kept": kept}
