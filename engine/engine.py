@@ -44,7 +44,6 @@ from .stage3 import (
     FrozenShards,
     ParamGatherer,
     UnitState,
-    UsageGuard,
     choose_units,
     is_leaf,
     persistent_unit,
@@ -392,7 +391,7 @@ class Engine(torch.nn.Module):
             self.gatherer.release_kept()  # kept by a forward whose backward never came
         self.gatherer.keeping = training  # units may stay gathered for backward
         try:
-            with timer, UsageGuard(self.gatherer), self.gatherer.saved_weights():
+            with timer, self.gatherer.saved_weights():
                 output = self.module(*args, **kwargs)
         except RuntimeError as error:
             if "saved tensor hooks" not in str(error):

@@ -19,10 +19,11 @@ recomputation) keeps its units gathered (its saved tensors are used at once, and
 releases the units) and is not recorded as forward order. An in-place write to a gathered
 parameter that a release would lose raises instead (_check_not_modified). A parameter used
 outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
-caught by UsageGuard, a TorchFunctionMode active during engine(...): it gathers the parameter's
-unit on the spot and pins it, so it stays gathered until the end of backward. Every batch of
-all-gathers is checked across ranks first (comm.Agreement): a rank that runs a module another
-rank skips makes every rank raise before the collectives differ (see docs/stages.md).
+caught by UsageGuard, a TorchFunctionMode active during the root module's forward (engine(...),
+engine.module(...) and generate() alike): it gathers the parameter's unit on the spot and pins
+it, so it stays gathered until the end of backward (of the forward, when none follows). Every
+batch of all-gathers is checked across ranks first (comm.Agreement): a rank that runs a module
+another rank skips makes every rank raise before the collectives differ (see docs/stages.md).
 
 [Note: saved weights]
 Layers save their weights for backward (a linear layer saves a view of its weight), and a saved
@@ -202,6 +203,8 @@ class ParamGatherer:
         self._unit_of_param: dict[int, Unit] = {}
         self._gathered_storage: dict[int, object] = {}  # buffer data_ptr -> bucket (not persistent)
         self._hooks = []
+        self._guard = None  # the UsageGuard of the root forward under way
+        self._root_depth = 0  # root forwards under way (more than 1: the root calls itself)
         self._order: list[int] = []  # unit indices in forward order, from the last step
         self._trace: list[int] = []  # this step's forward order
         self._cursor = {"forward": 0, "backward": 0}
@@ -231,6 +234,8 @@ class ParamGatherer:
                 self._unit_of_param[id(param)] = unit
             with self._own_ops():
                 self._release_bucket(bucket)
+        self._hooks.append(self.root.register_forward_pre_hook(self._enter_guard, prepend=True))
+        self._hooks.append(self.root.register_forward_hook(self._exit_guard, always_call=True))
         for unit in self.units:
             if unit.persistent:
                 self.fetch(unit)
@@ -242,6 +247,28 @@ class ParamGatherer:
             self._hooks.append(
                 module.register_forward_hook(self._post_forward(unit), with_kwargs=True)
             )
+
+    def _enter_guard(self, module, args) -> None:
+        """The root's forward begins: UsageGuard watches it, whether engine(...) called it or the
+        script did (engine.module(...), Hugging Face's generate(), which calls the model once
+        per token), so a tied weight used outside its unit's forward is gathered either way."""
+        self._root_depth += 1
+        if self._root_depth == 1:
+            self._guard = UsageGuard(self)
+            self._guard.__enter__()
+
+    def _exit_guard(self, module, args, output) -> None:
+        """The root's forward ended (or raised): the guard stops. Without a backward to come (no
+        grad, or eval mode) the units it pinned are released, as engine(...) does."""
+        self._root_depth -= 1
+        if self._root_depth > 0 or self._guard is None:
+            return
+        guard, self._guard = self._guard, None
+        guard.__exit__(None, None, None)
+        if not (torch.is_grad_enabled() and self.root.training):
+            for unit in self.units:
+                if unit.pinned:
+                    self.release(unit, force=True)
 
     def _pre_forward(self, unit: Unit):
         def hook(module, args, kwargs):
@@ -923,7 +950,7 @@ class UsageGuard(TorchFunctionMode):
 
 
 def unmanaged_parameter(rank: int, param, root: torch.nn.Module) -> RuntimeError:
-    """The error for a parameter used in engine(...) that zero does not lay out."""
+    """The error for a parameter used in the model's forward that zero does not lay out."""
     name = next((n for n, p in root.named_parameters() if p is param), None)
     where = (
         f"parameter '{name}' was added to the model after zero.initialize"
@@ -931,7 +958,7 @@ def unmanaged_parameter(rank: int, param, root: torch.nn.Module) -> RuntimeError
         else f"a parameter of shape {tuple(param.shape)} that is not part of the engine's module"
     )
     return RuntimeError(
-        f"rank {rank}: {where} and is used in engine(...): zero does not manage it, so its "
+        f"rank {rank}: {where} and is used in the model's forward: zero does not manage it, so its "
         "gradient would not be averaged across ranks nor its value updated (nor, under stage 3, "
         "partitioned). Attach every module before zero.initialize (build the engine over the "
         "whole model), or register a constant as a buffer"

@@ -4,8 +4,11 @@ load_state_dict(), under a read-only GatheredParameters; persistent parameters t
 loaded into partitioned parameters, torch.func inside forward; and what it keeps working: a
 modification published by GatheredParameters(modifier_rank=0) followed by a forward inside the
 same block, saved-tensor hooks the caller installs around engine(...) (single process: the same
-gather and release code paths as N ranks), and a no-grad forward through engine.module between
-backward and step, whose prefetched units the step releases (2 ranks)."""
+gather and release code paths as N ranks), a forward through engine.module that uses a tied
+weight outside its unit (what Hugging Face's generate() does), and a no-grad forward through
+engine.module between backward and step, whose prefetched units the step releases (2 ranks)."""
+
+import copy
 
 import pytest
 import torch
@@ -158,6 +161,50 @@ def module_forward_between_backward_and_step():
         optimizer.step()
     got = full_params(engine)
     return max((got[n] - p).abs().max().item() for n, p in reference.named_parameters())
+
+
+class TiedHead(torch.nn.Module):
+    """An output layer tied to the embedding, used in the root's forward: outside the
+    embedding's unit, as a tied lm_head is."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.body = torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.body(self.embed(ids)) @ self.embed.weight.T
+
+
+def test_forward_through_module_gathers_a_tied_weight():
+    torch.manual_seed(0)
+    reference = TiedHead()
+    config = {
+        **CONFIG,
+        "zero_optimization": {
+            **CONFIG["zero_optimization"],
+            "stage3_module_granularity_threshold": 50,
+        },
+    }
+    engine, _, _, _ = zero.initialize(model=copy.deepcopy(reference), config=config)
+    assert len(engine.gatherer.units) > 1  # the tied weight's unit is not the root's
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    engine.eval()
+    with torch.no_grad():
+        for forward in (engine, engine.module):  # generate() calls engine.module(...)
+            assert torch.equal(forward(ids), reference(ids))
+            assert all(p.numel() == 0 for p in engine.module.parameters())  # released after
+    engine.train()
+    # A training forward through engine.module keeps the tied unit until its backward, like
+    # engine(...) does: the step matches the reference's.
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
+    engine.backward(engine.module(ids).square().mean())
+    engine.step()
+    reference(ids).square().mean().backward()
+    optimizer.step()
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        for got, want in zip(engine.module.parameters(), reference.parameters()):
+            assert (got - want).abs().max() <= 1e-6
 
 
 def test_forward_through_module_between_backward_and_step_leaves_no_stale_unit():
