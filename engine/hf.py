@@ -298,6 +298,12 @@ def _on_every_rank(comm, device, what: str, action):
     return result
 
 
+def _listed(keys: list, shown: int = 8) -> str:
+    """The first `shown` keys, and how many more: a model's worth of keys is not one line."""
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"{keys[:shown]}{more}"
+
+
 def load_pretrained(model, path, strict: bool = True) -> LoadResult:
     """Load a Hugging Face safetensors checkpoint into `model`, one tensor at a time.
 
@@ -335,10 +341,19 @@ def load_pretrained(model, path, strict: bool = True) -> LoadResult:
         files = SafetensorsReader(path)
         pairs, missing, unexpected, problems = _match(module, _targets(module), files, places)
         if strict:
-            problems += [f"missing keys {missing}"] * bool(missing)
-            problems += [f"unexpected keys {unexpected}"] * bool(unexpected)
+            problems += [f"missing keys {_listed(missing)}"] * bool(missing)
+            problems += [f"unexpected keys {_listed(unexpected)}"] * bool(unexpected)
         if problems:
-            raise CheckpointError(f"{files.path} does not fit the model: {'; '.join(problems)}")
+            hint = ""
+            if strict and missing and unexpected:
+                hint = (
+                    ". A checkpoint that transformers saved for this model class may hold tensors "
+                    "in a layout it converts while loading (Mixtral's experts in transformers "
+                    "5); load such a checkpoint with from_pretrained inside zero.Init (docs/hf.md)"
+                )
+            raise CheckpointError(
+                f"{files.path} does not fit the model: {'; '.join(problems)}{hint}"
+            )
         return files, pairs, missing, unexpected
 
     files, pairs, missing, unexpected = _on_every_rank(comm, device, f"verify {path}", verify)

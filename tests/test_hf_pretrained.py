@@ -533,6 +533,23 @@ def test_missing_keys_and_differing_assignments_are_errors(per_rank):
         assert res["init_after_error"]
 
 
+def test_a_file_in_another_layout_names_some_keys_and_the_way_to_load_it(tmp_path):
+    """Missing and unexpected keys together (a checkpoint whose tensors transformers converts
+    while loading): the message lists a few keys of each, how many more, and what to do."""
+    from safetensors.torch import save_file
+
+    from zero.hf import CheckpointError, load_pretrained
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(6)])
+    save_file({f"{k}.old": v for k, v in model.state_dict().items()}, tmp_path / "m.safetensors")
+    with pytest.raises(CheckpointError) as raised:
+        load_pretrained(model, tmp_path / "m.safetensors")
+    message = str(raised.value)
+    assert "missing keys ['0.weight', '0.bias', " in message and " and 4 more;" in message
+    assert "unexpected keys ['0.bias.old', " in message, message
+    assert "from_pretrained inside zero.Init" in message, message
+
+
 def test_shard_writer_files_read_back_with_safetensors(tmp_path):
     """The streamed writer's files are what safetensors reads (dtypes, empty and 0-d tensors,
     a tensor larger than the shard size alone in its file)."""
