@@ -1057,7 +1057,18 @@ def destroy_process_group(group=None) -> None:
     exception"; seen in about 1 run in 8 of a 2-rank script ending with barrier and destroy)."""
     default = group is None and is_initialized()
     if default:
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as error:  # a peer's sockets closed: it ended without this call
+            rank = dist.get_rank()
+            dist.destroy_process_group(group)
+            raise RuntimeError(
+                f"rank {rank}: another rank stopped before it reached "
+                "zero.comm.destroy_process_group(); this rank had finished its work. That rank's "
+                "own error says why: often a collective that only some ranks called (a forward, "
+                "generate() or step() run on some ranks only, a different number of steps). "
+                f"The backend said: {error}"
+            ) from error
     dist.destroy_process_group(group)
     if default:
         time.sleep(0.2)

@@ -1,4 +1,5 @@
-"""Communicator pieces that need no second rank."""
+"""Communicator pieces that need no second rank; on 2-3 ranks, the gloo exchanges and
+destroy_process_group when a peer ended without it."""
 
 import time
 
@@ -101,3 +102,32 @@ def test_gloo_reduce_scatter_and_all_gather_are_exact_exchanges():
             assert torch.equal(got, expected)  # own slice, then the peers' in rank order
         for got, expected in zip(result["all_gather"], result["expected_ag"]):
             assert torch.equal(got, expected)
+
+
+def _one_rank_leaves():
+    """Rank 1 ends without destroy_process_group (as a rank that raised does); rank 0, done,
+    calls it."""
+    import torch.distributed as dist
+    from distributed import abandon_group
+
+    import zero.comm
+
+    dist.init_process_group("gloo")
+    abandon_group()  # neither rank takes part in run_ranks' closing barrier
+    if dist.get_rank() == 1:
+        return None
+    start = time.monotonic()
+    try:
+        zero.comm.destroy_process_group()
+    except RuntimeError as error:
+        return str(error), time.monotonic() - start, dist.is_initialized()
+    return "no error", time.monotonic() - start, dist.is_initialized()
+
+
+def test_destroy_process_group_names_a_rank_that_ended_without_it():
+    from distributed import run_ranks
+
+    message, seconds, initialized = run_ranks(_one_rank_leaves, 2, timeout=60)[0]
+    assert message.startswith("rank 0: another rank stopped before it reached"), message
+    assert "only some ranks called" in message, message
+    assert seconds < 30 and not initialized
