@@ -474,6 +474,7 @@ class Intent(enum.IntEnum):
     END_BACKWARD = 3  # the last collectives of a micro-batch's backward
     METHOD = 4  # a collective method: idents = (index in METHODS, hash of its arguments)
     STEP = 5  # engine.step() at the accumulation boundary (gradient norm, optimizer step)
+    FINISH = 6  # zero.comm.destroy_process_group(): this rank makes no more collectives
 
 
 # Collective methods, each checked on entry (Agreement.enter) so that one called on some ranks
@@ -536,6 +537,7 @@ class Agreement:
         self.describe = describe_intent
         self.hint = lambda a, b: ""
         self.checks = 0  # checks made (for the cost figures in docs/performance.md)
+        _AGREEMENTS.add(self)
 
     def check(self, kind: Intent, idents=(0,), doing: str | None = None, method=None) -> None:
         """Raise RankMismatchError on every rank unless all ranks call check() with the same
@@ -688,6 +690,8 @@ def describe_intent(kind: int, ident: int) -> str:
         return "ends a backward (engine.backward)"
     if kind == Intent.STEP:
         return "steps the optimizer (engine.step)"
+    if kind == Intent.FINISH:
+        return "ends its run (zero.comm.destroy_process_group)"
     if kind == Intent.LAYOUT:
         return f"built a model whose parameters, layout and config hash to {ident:#x}"
     return f"all-gathers stage-3 unit {ident}"
@@ -695,6 +699,14 @@ def describe_intent(kind: int, ident: int) -> str:
 
 def _default_fix(a, b) -> str:
     kinds = {a[0], b[0]}
+    if Intent.FINISH in kinds:
+        return (
+            "Every rank must make the same calls before it ends: as many micro-batches "
+            "(engine.backward) and steps, and the same collective methods. A rank with fewer "
+            "batches (an uneven data shard, a `break` or `continue` on some ranks) ends while "
+            "the others still train; give every rank the same number of batches (a "
+            "DistributedSampler, drop_last)."
+        )
     if Intent.LAYOUT in kinds:
         return (
             "Every rank must build the same model (same parameter names, shapes, dtypes and "
@@ -719,6 +731,22 @@ def _default_fix(a, b) -> str:
 # running when the interpreter shuts down, then abort the finished process when they free a
 # collective's tensors ("terminate called without an active exception").
 _SIDE_GROUPS: dict[tuple, tuple[weakref.ref, "OwnGroup"]] = {}
+# Every Agreement made, while its engine lives: destroy_process_group's last check runs on them.
+_AGREEMENTS: "weakref.WeakSet[Agreement]" = weakref.WeakSet()
+
+
+def _current_agreements() -> list:
+    """One live Agreement per agreement group of the current default group (the first engine's),
+    in the order of the groups' ranks, which every member computes alike."""
+    default = dist.distributed_c10d._get_default_group()
+    current = {id(group) for ref, group in _SIDE_GROUPS.values() if ref() is default}
+    first = {}
+    for agreement in _AGREEMENTS:
+        if id(agreement.group) in current:
+            known = first.get(id(agreement.group))
+            if known is None or agreement.instance < known.instance:
+                first[id(agreement.group)] = agreement
+    return sorted(first.values(), key=lambda a: a.group.ranks)
 
 
 def _side_group(purpose: str, ranks: list[int], backend, timeout_s) -> "OwnGroup":
@@ -748,6 +776,7 @@ class OwnGroup:
             if timeout_s is None
             else datetime.timedelta(seconds=timeout_s)
         )
+        self.ranks = list(ranks)
         self.method_calls: dict[str, int] = {}  # Agreement.enter's count per method
         self.agreements = 0  # Agreements (engines) created over this group
         rank, size = ranks.index(dist.get_rank()), len(ranks)
@@ -1049,14 +1078,26 @@ def get_backend(group=None) -> str:
 
 def destroy_process_group(group=None) -> None:
     """Tear down `group` (default: the default group and every other). Collective: every rank
-    calls it when done. [Note: a clean exit] For the default group a barrier comes first, so no
-    rank exits while peers still talk to it; after torch's teardown the call sleeps 0.2 s
+    calls it when done. [Note: a clean exit] For the default group each live engine's agreement
+    group checks first that every rank is ending (else RankMismatchError on every rank, naming
+    what each was about to do), then a barrier, so no rank exits while peers still talk to it;
+    after torch's teardown the call sleeps 0.2 s
     without the GIL, so that gloo's worker threads finish freeing the collectives' tensors
     before the interpreter shuts down: a worker that frees a Python-owned tensor during shutdown
     cannot take the GIL and aborts the finished process ("terminate called without an active
     exception"; seen in about 1 run in 8 of a 2-rank script ending with barrier and destroy)."""
     default = group is None and is_initialized()
     if default:
+        # A rank still in an engine's collectives (one micro-batch more than this rank ran)
+        # would wait in them while this rank waits in the barrier: the engines' agreement
+        # groups check first, so every rank raises instead (the others once this rank's
+        # sockets close), naming what each rank was about to do.
+        for agreement in _current_agreements():
+            try:
+                agreement.check(Intent.FINISH)
+            except RankMismatchError:
+                dist.destroy_process_group()
+                raise
         try:
             dist.barrier()
         except RuntimeError as error:  # a peer's sockets closed: it ended without this call

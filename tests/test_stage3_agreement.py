@@ -6,7 +6,9 @@
   every rank stops at the first all-gather that differs, naming the block's class.
 - Ranks running different heads (same or different sizes), or one rank skipping a module, stop
   with one message on every rank naming both ranks' units. A rank that drops a micro-batch
-  after its forward stops every rank before the next step, with units kept for backward too.
+  after its forward stops every rank before the next step, with units kept for backward too;
+  one that runs a micro-batch fewer and ends (destroy_process_group) stops every rank, at every
+  stage.
 - A module attached after zero.initialize is refused (stage 3 at its first use, stages 0-2 at
   the step), naming the parameter.
 - Collective methods called on some ranks only end in an error on every rank within
@@ -316,6 +318,38 @@ def test_a_rank_dropping_a_micro_batch_stops_every_rank_before_the_next_step(reu
     for message, steps, unchanged in run_ranks(dropped_micro_batch, 2, reuse):
         assert message is not None and "ranks disagree on the next collective" in message
         assert steps == 2 and unchanged, (steps, message)
+
+
+def uneven_batches(stage):
+    """Rank 1 runs one micro-batch fewer (an uneven data shard), then ends with
+    zero.comm.destroy_process_group() while rank 0 still reduces its last gradients. Returns
+    this rank's error."""
+    import zero
+
+    torch.manual_seed(0)
+    engine, _, _, _ = zero.initialize(model=Heads(8), config=_heads_config(stage))
+    try:
+        for _ in range(3 if engine.rank == 0 else 2):
+            engine.backward(engine(torch.randn(2, 8), "a"))
+            engine.step()
+        zero.comm.destroy_process_group()
+    except zero.RankMismatchError as error:
+        abandon_group()
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_rank_ending_early_stops_every_rank(stage):
+    """destroy_process_group() checks with every rank first: without it, stages 0-2 waited in
+    the barrier against the other rank's gradient reduction until torch's 30-minute timeout."""
+    for message in run_ranks(uneven_batches, 2, stage, timeout=60):
+        assert message is not None, stage
+        # stage 3: rank 0's next all-gather meets it; stages 0-2: the end of its backward
+        doing = "all-gathers stage-3 unit" if stage == 3 else "ends a backward (engine.backward)"
+        expected = f"rank 0 {doing}"
+        assert expected in message and "while rank 1 ends its run" in message, message
+        assert "the same number of batches" in message, message
 
 
 def different_models():
