@@ -710,7 +710,8 @@ def _default_fix(a, b) -> str:
     if Intent.LAYOUT in kinds:
         return (
             "Every rank must build the same model (same parameter names, shapes, dtypes and "
-            "requires_grad) and pass the same config to zero.initialize."
+            "requires_grad) and pass the same config and optimizer (type and "
+            "hyper-parameters) to zero.initialize."
         )
     if Intent.METHOD in kinds:
         return (

@@ -110,7 +110,7 @@ class Engine(torch.nn.Module):
         agreement = comm.start_agreement(config.agreement_timeout)
         if agreement is not None:
             doing = "builds its engine (zero.initialize)"
-            agreement.check(Intent.LAYOUT, (_fingerprint(model, config),), doing)
+            agreement.check(Intent.LAYOUT, (_fingerprint(model, config, optimizer),), doing)
         # A scheduler that cannot be built (a misspelled parameter) fails before the model is
         # touched; it drives the param groups' lr, which zero keeps.
         self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
@@ -886,10 +886,13 @@ def _set_hook_tables(obj, tables: dict) -> None:
         table.update(tables.get(name, {}))
 
 
-def _fingerprint(model, config) -> int:
+def _fingerprint(model, config, optimizer) -> int:
     """32-bit hash of what every rank must have alike before the first collective: the
     parameters' and buffers' names, full shapes, dtypes and requires_grad, the leaf modules
-    (zero.utils.set_z3_leaf_modules) and the config keys that shape the layout."""
+    (zero.utils.set_z3_leaf_modules), the config keys that shape the layout, and what would
+    make the ranks' updates differ without any collective noticing: the micro-batch size, the
+    clipping, the scheduler block and the optimizer's type and hyper-parameters per param
+    group (those of plain types: an object's repr may hold its address)."""
     params = [
         (n, tuple(full_shape(p)), str(p.dtype), p.requires_grad)
         for n, p in model.named_parameters()
@@ -906,8 +909,23 @@ def _fingerprint(model, config) -> int:
         zero_cfg.stage3_model_persistence_threshold,
         str(config.compute_dtype),
         config.gradient_accumulation_steps,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_clipping,
+        repr(config.scheduler),
     )
-    return zlib.crc32(repr((params, buffers, leaves, keys)).encode())
+    plain = (int, float, bool, str, type(None))
+
+    def hyper(value):
+        if isinstance(value, (tuple, list)):
+            return all(hyper(v) for v in value)
+        return isinstance(value, plain)
+
+    groups = [
+        sorted((k, v) for k, v in group.items() if k != "params" and hyper(v))
+        for group in optimizer.param_groups
+    ]
+    update = (type(optimizer).__name__, groups)
+    return zlib.crc32(repr((params, buffers, leaves, keys, update)).encode())
 
 
 def _cpu_adam(params, cls, kwargs):

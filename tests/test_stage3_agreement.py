@@ -9,6 +9,8 @@
   after its forward stops every rank before the next step, with units kept for backward too;
   one that runs a micro-batch fewer and ends (destroy_process_group) stops every rank, at every
   stage.
+- Ranks that build different models, or pass a micro-batch size, optimizer hyper-parameters or a
+  scheduler that differ, stop at zero.initialize.
 - A module attached after zero.initialize is refused (stage 3 at its first use, stages 0-2 at
   the step), naming the parameter.
 - Collective methods called on some ranks only end in an error on every rank within
@@ -353,20 +355,39 @@ def test_a_rank_ending_early_stops_every_rank(stage):
 
 
 def different_models():
+    """Per case, this rank's error: rank 1 builds another model, or passes a config or an
+    optimizer that would make its updates differ with no collective noticing."""
     import zero
 
-    torch.manual_seed(0)
-    model = Heads(8 if os.environ["RANK"] == "0" else 3)
-    try:
-        zero.initialize(model=model, config=_heads_config(stage=2))
-    except zero.RankMismatchError as error:
-        return str(error)
-    return None
+    rank1 = os.environ["RANK"] == "1"
+    errors = {}
+    for case in ("model", "micro_batch", "lr", "client_lr", "scheduler"):
+        torch.manual_seed(0)
+        model = Heads(3 if rank1 and case == "model" else 8)
+        config = _heads_config(stage=2)
+        optimizer = None
+        if rank1 and case == "micro_batch":
+            config["train_micro_batch_size_per_gpu"] = 3
+        if rank1 and case == "lr":
+            config["optimizer"]["params"]["lr"] = 0.2
+        if case == "client_lr":
+            del config["optimizer"]
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.2 if rank1 else 0.1)
+        if case == "scheduler":
+            params = {"warmup_num_steps": 5 if rank1 else 10}
+            config["scheduler"] = {"type": "WarmupLR", "params": params}
+        try:
+            zero.initialize(model=model, optimizer=optimizer, config=config)
+            errors[case] = None
+        except zero.RankMismatchError as error:
+            errors[case] = str(error)
+    return errors
 
 
 def test_ranks_building_different_models_stop_at_initialize():
-    for message in run_ranks(different_models, 2):
-        assert message is not None and "Every rank must build the same model" in message
+    for errors in run_ranks(different_models, 2):
+        for case, message in errors.items():
+            assert message is not None and "Every rank must build the same model" in message, case
 
 
 def other_misuse():
