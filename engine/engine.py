@@ -37,7 +37,7 @@ from .init import (
     take_full,
 )
 from .lr_schedules import build_scheduler
-from .monitor import StepMonitor
+from .monitor import StepMonitor, summary_writer_class
 from .optim import build_optimizer, resolve_optimizer
 from .precision import LossScaler
 from .stage3 import (
@@ -106,6 +106,8 @@ class Engine(torch.nn.Module):
             config, [full_numel(p) for p in model.parameters()], self._num_shards(), comm.rank
         )
         nvme.check_free_space([optimizer_files, param_files], comm.rank)
+        if config.tensorboard.enabled:
+            summary_writer_class()  # rank 0 writes; every rank fails alike without the package
         # Before the first collective: every rank built the same model with the same config.
         agreement = comm.start_agreement(config.agreement_timeout)
         if agreement is not None:

@@ -95,18 +95,26 @@ class CsvWriter:
                 writer.writerow([step, value])
 
 
+def summary_writer_class():
+    """torch.utils.tensorboard.SummaryWriter; ImportError naming the package and the key when
+    tensorboard is not installed. zero.initialize calls it on every rank before the first
+    collective when tensorboard.enabled (only rank 0 writes), so no rank fails alone."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "config tensorboard.enabled needs the 'tensorboard' package: pip install "
+            "tensorboard (or set tensorboard.enabled to false)"
+        ) from None
+    return SummaryWriter
+
+
 class TensorBoardWriter:
     """tensorboard: torch.utils.tensorboard.SummaryWriter under output_path/job_name."""
 
     def __init__(self, output_path: str, job_name: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ImportError(
-                "config tensorboard.enabled needs the 'tensorboard' package: pip install "
-                "tensorboard (or set tensorboard.enabled to false)"
-            ) from None
-        self.writer = SummaryWriter(log_dir=os.path.join(output_path or ".", job_name))
+        writer = summary_writer_class()
+        self.writer = writer(log_dir=os.path.join(output_path or ".", job_name))
 
     def write(self, events: list[tuple[str, float, int]]) -> None:
         for name, value, step in events:

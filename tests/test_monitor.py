@@ -60,9 +60,14 @@ def test_step_log_and_csv(tmp_path, zero_log):
 @pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed"
 )
-def test_tensorboard_missing_names_the_package(tmp_path):
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed"
+)
+def test_tensorboard_missing_names_the_package(tmp_path, stage3_runs):
     with pytest.raises(ImportError, match="pip install tensorboard"):
         _engine(tensorboard={"enabled": True, "output_path": str(tmp_path)})
+    for run in stage3_runs:  # on 2 ranks: each rank raises it at zero.initialize
+        assert "pip install tensorboard" in run[4], run[4]
 
 
 def test_comms_report_flags_deviation():
@@ -140,6 +145,12 @@ def _stage3_ledger():
             "stage3_param_persistence_threshold": 40,  # the biases (32 + 32 elements)
         },
     }
+    try:  # every rank refuses it before any collective, not rank 0 alone (it writes)
+        board = {"enabled": True, "output_path": "/nonexistent"}
+        zero.initialize(model=TiedNet(), config={**config, "tensorboard": board})
+        no_tensorboard = None
+    except ImportError as error:
+        no_tensorboard = str(error)
     engine, _, _, _ = zero.initialize(model=TiedNet(), config=config)
 
     def micro_batch():
@@ -164,7 +175,7 @@ def _stage3_ledger():
             micro_batch()
             engine.step()
         frozen[reuse] = [m.splitlines()[-1] for m in messages if m.startswith("comms rank")]
-    return steps, totals, reports, frozen
+    return steps, totals, reports, frozen, no_tensorboard
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +184,7 @@ def stage3_runs():
 
 
 def test_stage3_persistent_and_pinned_not_flagged(stage3_runs):
-    steps, totals, _, _ = stage3_runs[0]
+    steps, totals, _, _, _ = stage3_runs[0]
     # 1600 parameters, 64 of them persistent: 1536 * 6 + 64 * 3 = 9408 elements = 5.88 Psi,
     # less the units kept gathered from each forward to its backward (the default
     # stage3_max_reuse_distance keeps all of this small model's): 2 * 1536, 3.96 Psi.
@@ -200,7 +211,7 @@ def test_frozen_parameters_traffic_named_apart_from_psi(stage3_runs):
 
 
 def test_step_log_splits_reduce_and_all_gather(stage3_runs):
-    for _, _, timers, _ in stage3_runs:
+    for _, _, timers, _, _ in stage3_runs:
         # From the second step on the waiting is split out (the first step binds the ledger).
         for figures in timers[1:]:
             assert set(figures) == {"forward", "backward", "reduce", "all_gather", "optimizer"}
