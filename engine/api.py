@@ -161,6 +161,12 @@ def _config_source(args, config, config_params):
         )
     source = source if source is not None else from_args
     if source is None:
+        if args is not None:  # a script that reads its config from the command line
+            raise ValueError(
+                "no config: the command line gave no --deepspeed_config (or --zero_config) "
+                "file; add --deepspeed_config zero2.json, or pass config='zero2.json' to "
+                "zero.initialize"
+            )
         raise ValueError(
             "no config: pass config='zero2.json' (a path, dict or zero.Config) to zero.initialize"
         )

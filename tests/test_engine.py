@@ -1,5 +1,7 @@
 """Engine semantics in one process: the DeepSpeed-style loop, its counters and its errors."""
 
+import argparse
+
 import pytest
 import torch
 
@@ -139,6 +141,10 @@ def test_training_data_gives_distributed_loader():
 def test_missing_config_errors():
     with pytest.raises(ValueError, match="no config"):
         zero.initialize(model=Tiny())
+    # a DeepSpeed-style script: `--deepspeed` given without `--deepspeed_config FILE`
+    args = argparse.Namespace(deepspeed=True, deepspeed_config=None, local_rank=-1)
+    with pytest.raises(ValueError, match="no config: the command line gave no --deepspeed_conf"):
+        zero.initialize(args=args, model=Tiny())
     with pytest.raises(ValueError, match="no optimizer"):
         zero.initialize(model=Tiny(), config=base_config(optimizer=None))
 
