@@ -293,6 +293,7 @@ class Engine(torch.nn.Module):
         params = model_parameters
         if params is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
+        params = _check_groups_disjoint(params, self.module)
         spec = self.config.optimizer
         offload = self.config.zero.offload_optimizer
         if offload is not None and offload.device != "none":  # cpu or nvme: the host Adam
@@ -928,6 +929,29 @@ def _fingerprint(model, config, optimizer) -> int:
     ]
     update = (type(optimizer).__name__, groups)
     return zlib.crc32(repr((params, buffers, leaves, keys, update)).encode())
+
+
+def _check_groups_disjoint(params, module):
+    """model_parameters as a list (a generator is read once here): ValueError naming the first
+    parameter that two param groups both hold (torch's own error names neither)."""
+    params = list(params)
+    if not params or not isinstance(params[0], dict):
+        return params
+    names = {id(p): n for n, p in module.named_parameters()}
+    first_group: dict[int, int] = {}
+    for index, group in enumerate(params):
+        held = group.get("params", [])
+        held = [held] if isinstance(held, torch.Tensor) else list(held)
+        params[index] = {**group, "params": held}
+        for param in held:
+            earlier = first_group.setdefault(id(param), index)
+            if earlier != index:
+                name = names.get(id(param), f"of shape {tuple(param.shape)}")
+                raise ValueError(
+                    f"model_parameters: parameter '{name}' is in param groups {earlier} and "
+                    f"{index}; each parameter belongs to one group"
+                )
+    return params
 
 
 def _cpu_adam(params, cls, kwargs):

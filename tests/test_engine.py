@@ -149,6 +149,20 @@ def test_missing_config_errors():
         zero.initialize(model=Tiny(), config=base_config(optimizer=None))
 
 
+def test_a_parameter_in_two_param_groups_is_named():
+    model = Tiny()
+    groups = [
+        {"params": (p for p in model.parameters())},  # generators are read once, as torch does
+        {"params": [model.a.weight], "lr": 0.1},
+    ]
+    with pytest.raises(ValueError, match="parameter 'a.weight' is in param groups 0 and 1"):
+        zero.initialize(model=model, model_parameters=groups, config=base_config())
+    groups = [{"params": (p for p in model.parameters() if p is not model.a.weight)}]
+    groups.append({"params": [model.a.weight], "lr": 0.1})
+    _, optimizer, _, _ = zero.initialize(model=model, model_parameters=groups, config=base_config())
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-2, 0.1]
+
+
 def test_bad_config_fails_before_model_is_touched():
     model = Tiny()
     before = model.a.weight.data_ptr()
