@@ -16,6 +16,7 @@ comm as dist`): thin wrappers over torch.distributed whose traffic is the script
 
 import datetime
 import enum
+import gc
 import logging
 import os
 import queue
@@ -1092,7 +1093,10 @@ def destroy_process_group(group=None) -> None:
         # A rank still in an engine's collectives (one micro-batch more than this rank ran)
         # would wait in them while this rank waits in the barrier: the engines' agreement
         # groups check first, so every rank raises instead (the others once this rank's
-        # sockets close), naming what each rank was about to do.
+        # sockets close), naming what each rank was about to do. An engine the script dropped
+        # may still wait for the cycle collector, at different times on different ranks:
+        # collect first, so every rank checks on the same engines.
+        gc.collect()
         for agreement in _current_agreements():
             try:
                 agreement.check(Intent.FINISH)
