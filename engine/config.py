@@ -14,11 +14,14 @@ Loading (``load_config``) runs these steps, in order:
      YAML reads 1e-3 as a float, like JSON. One walk over the data refuses a key given twice
      in one mapping, keys that are not strings, nesting deeper than 100 levels and non-finite
      numbers anywhere (see [Note: what the checking walk refuses]);
-  2. map deprecated DeepSpeed names to their current ones (each with a ``FutureWarning``);
+  2. map deprecated DeepSpeed names to their current ones (each with a ``FutureWarning``), and
+     DeepSpeed's unprefixed names of the stage3_ keys to the prefixed ones;
   3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs); an "auto"
      bucket size or threshold nothing fills takes its default, said in one info line;
   4. validate against the schema (one ``ConfigError`` naming the dotted key on failure;
-     ZeRO++ / MiCS keys other than their defaults are errors, zero does not implement them);
+     keys whose non-default value would change what is trained and that zero does not
+     implement, ZeRO++ / MiCS, torch_autocast, AutoTP, weight_quantization and the like, are
+     errors unless at their defaults);
   5. derive the batch triple for the data-parallel world size;
   6. warn once per accepted-but-unsupported block (amp, pipeline, ...).
 
@@ -80,6 +83,9 @@ __all__ = [
     "FlopsProfilerConfig",
     "MonitorConfig",
     "WandbConfig",
+    "CometConfig",
+    "TorchAutocastConfig",
+    "TensorParallelConfig",
     "CheckpointConfig",
     "AioConfig",
 ]
@@ -194,6 +200,38 @@ def _cross(message: str) -> PydanticCustomError:
     return PydanticCustomError("cross_field", message)
 
 
+def _refused(key: str, value: Any, why: str, default: Any) -> PydanticCustomError:
+    """A DeepSpeed key set to a value zero does not implement, where ignoring it would change what
+    the run is: one message naming the key, the value, why, and the fix."""
+    return _cross(
+        f"{key} = {_show(value)}: {why} Remove the key or set it to the default "
+        f"({key.rsplit('.', 1)[-1]}: {_show(default)})."
+    )
+
+
+_DTYPE_NAMES = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+}
+
+
+def _dtype_name(value: Any) -> Any:
+    # DeepSpeed reads a dtype as any of its spellings (bfloat16, torch.float16, half, ...).
+    return _DTYPE_NAMES.get(value.lower(), value) if isinstance(value, str) else value
+
+
+AnyDtype = Annotated[HalfOrFull, BeforeValidator(_dtype_name)]
+
+
 class _Block(BaseModel):
     """Base of every config block: immutable, unknown keys are errors, floats are finite.
 
@@ -279,6 +317,32 @@ class BF16Config(_Block):
     immediate_grad_update: bool = Field(
         False, description="Apply each gradient to the fp32 accumulator as soon as it is ready."
     )
+    check_grad_overflow: bool = Field(
+        True,
+        description="Skip optimizer steps whose gradients are not finite (inf or NaN), as fp16 "
+        "does; false applies them.",
+    )
+    bf16_master_weights_and_grads: bool = Field(
+        False, description="Keep master weights and gradients in bfloat16 instead of fp32."
+    )
+    bf16_optimizer_states: bool = Field(
+        False, description="Keep optimizer states in bfloat16 (with bf16 master weights)."
+    )
+
+    @model_validator(mode="after")
+    def _refuse_bf16_master(self) -> "BF16Config":
+        # Master weights, gradients or optimizer states in bfloat16 change every update's
+        # rounding: training them in fp32 instead would not be the run the config describes.
+        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if getattr(self, key):
+                raise _refused(
+                    f"bf16.{key}",
+                    True,
+                    "zero keeps fp32 master weights, gradients and optimizer states with bf16 "
+                    "(fp16.fp16_master_weights_and_grads is the 2-byte option it has, for fp16).",
+                    False,
+                )
+        return self
 
 
 class DataTypesConfig(_Block):
@@ -288,6 +352,34 @@ class DataTypesConfig(_Block):
         None,
         description="Data type of gradient accumulation across micro-batches; null means fp32.",
     )
+    param_dtype: AnyDtype | None = Field(
+        None,
+        description="Data type of the model's parameters; must be the compute dtype (fp16, bf16 "
+        "or fp32 as enabled); null follows it.",
+    )
+    buffer_dtype: AnyDtype | None = Field(
+        None,
+        description="Data type of the model's floating-point buffers; null or the compute dtype "
+        "(zero casts buffers to it).",
+    )
+    keep_in_fp32_modules: tuple[str, ...] | None = Field(
+        None,
+        description='Modules whose buffers stay fp32 under fp16/bf16: DeepSpeed\'s "auto" (its '
+        "default, read as null) or an empty list; zero casts every buffer to the compute dtype.",
+    )
+
+    @field_validator("keep_in_fp32_modules", mode="after")
+    @classmethod
+    def _refuse_fp32_modules(cls, value: Any) -> Any:
+        if value:
+            raise _refused(
+                "data_types.keep_in_fp32_modules",
+                value,
+                "zero casts every floating-point buffer to the compute dtype and keeps no "
+                "module's buffers in fp32.",
+                "auto",
+            )
+        return value
 
 
 class OffloadOptimizerConfig(_Block):
@@ -304,6 +396,12 @@ class OffloadOptimizerConfig(_Block):
     fast_init: bool = Field(False, description="Fast optimizer initialization on nvme.")
     ratio: Number = Field(
         1.0, gt=0, le=1, description="Fraction of optimizer states offloaded (0 < ratio <= 1)."
+    )
+    super_offload: bool = Field(
+        False, description="DeepSpeed's SuperOffload optimizer path (superchips); no effect."
+    )
+    cpuadam_cores_perc: Number = Field(
+        0.8, ge=0, le=1, description="Share of CPU cores DeepSpeed's CPU Adam uses; no effect."
     )
 
 
@@ -322,6 +420,14 @@ class OffloadParamConfig(_Block):
         1_000_000_000, description="Elements kept in CPU memory when offloading to nvme."
     )
     pin_memory: bool = Field(False, description="Use page-locked CPU memory.")
+
+
+class LeafModuleConfig(_Block):
+    """DeepSpeed ``zero_optimization.leaf_module``: modules stage 3 fetches as one unit."""
+
+    classes: tuple[str, ...] = Field((), description="Module class names.")
+    names: tuple[str, ...] = Field((), description="Module names.")
+    name_suffixes: tuple[str, ...] = Field((), description="Module name suffixes.")
 
 
 # ZeRO++ (arXiv 2306.10209) and MiCS (arXiv 2205.00119) keys: accepted at their defaults, which
@@ -429,6 +535,48 @@ class ZeroConfig(_Block):
     mics_hierarchical_params_gather: bool = Field(
         False, description="MiCS hierarchical all-gather."
     )
+    # DeepSpeed implementation switches: how its own kernels and collectives run, not what is
+    # trained. Accepted and validated so DeepSpeed files load; zero has no such switch.
+    use_multi_rank_bucket_allreduce: bool = Field(
+        True, description="DeepSpeed: all-reduce a gradient bucket over several ranks at once."
+    )
+    compute_grad_norm: bool = Field(
+        True, description="DeepSpeed: compute the global gradient norm at stages 1-2."
+    )
+    stage3_use_all_reduce_for_fetch_params: bool = Field(
+        False, description="DeepSpeed: fetch stage-3 parameters with all-reduce, not all-gather."
+    )
+    stage3_allgather_sequential: bool = Field(
+        False, description="DeepSpeed: all-gather stage-3 parameters one by one, not bucketed."
+    )
+    legacy_stage1: bool = Field(False, description="DeepSpeed: its old stage-1 implementation.")
+    parameter_alignment: bool = Field(
+        False, description="DeepSpeed: pad flat buffers so each parameter is 16-byte aligned."
+    )
+    memory_efficient_linear: bool = Field(
+        True, description="DeepSpeed: its memory-efficient Linear at stage 3."
+    )
+    pipeline_loading_checkpoint: bool = Field(
+        False, description="DeepSpeed: load stage-3 checkpoints in pipeline mode."
+    )
+    override_module_apply: bool = Field(
+        True, description="DeepSpeed: wrap nn.Module.apply to gather stage-3 parameters."
+    )
+    log_trace_cache_warnings: bool = Field(
+        False, description="DeepSpeed: log its stage-3 trace cache invalidations."
+    )
+    enable_sanity_checks: bool = Field(False, description="DeepSpeed: its internal checks.")
+    save_muon_momentum_buffer_in_memory: bool = Field(
+        False, description="DeepSpeed: keep Muon momentum in memory under nvme offload."
+    )
+    leaf_module: LeafModuleConfig | None = Field(
+        None,
+        description="DeepSpeed: modules fetched as one stage-3 unit; zero's equivalent is "
+        "stage3_module_classes.",
+    )
+    zenflow: FrozenDict | None = Field(
+        None, description="ZenFlow (stale updates of less important gradients); refused."
+    )
 
     @field_validator("overlap_comm", mode="after")
     @classmethod
@@ -455,6 +603,17 @@ class ZeroConfig(_Block):
             f"to the default ({defaults}); zero then trains with full-precision collectives "
             "over the whole data-parallel group."
         )
+
+    @model_validator(mode="after")
+    def _refuse_zenflow(self) -> "ZeroConfig":
+        if self.zenflow is not None:
+            raise _cross(
+                f"zero_optimization.zenflow = {_show(self.zenflow)}: zero does not implement "
+                "ZenFlow, which updates the less important gradient columns late; training "
+                "without it would not be the run the config describes. Remove the key (or set "
+                "it to null)."
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_offload(self) -> "ZeroConfig":
@@ -546,8 +705,134 @@ class WandbConfig(_Block):
     job_name: str | None = Field(None, description="W&B run name.")
 
 
+class CometConfig(_Block):
+    """DeepSpeed ``comet``: the Comet ML monitor (zero does not log to Comet)."""
+
+    enabled: bool = Field(False, description="Log to Comet.")
+    samples_log_interval: Count = Field(100, description="Samples between two metric uploads.")
+    project: str | None = Field(None, description="Comet project.")
+    workspace: str | None = Field(None, description="Comet workspace.")
+    api_key: str | None = Field(None, description="Comet API key.")
+    experiment_name: str | None = Field(None, description="Comet experiment name.")
+    experiment_key: str | None = Field(None, description="Key of the Comet experiment.")
+    online: bool | None = Field(None, description="Log to the Comet server (else offline).")
+    mode: Literal["get", "create", "get_or_create"] | None = Field(
+        None, description="How the experiment starts: get, create or get_or_create."
+    )
+
+
+class ThroughputTimerConfig(_Block):
+    """DeepSpeed ``timers.throughput``."""
+
+    enabled: bool = Field(True, description="DeepSpeed's throughput timer.")
+    synchronized: bool = Field(True, description="Synchronize the device before reading it.")
+
+
+class TimersConfig(_Block):
+    """DeepSpeed ``timers``."""
+
+    throughput: ThroughputTimerConfig = Field(
+        default_factory=ThroughputTimerConfig, description="DeepSpeed's throughput timer."
+    )
+
+
+class TorchAutocastConfig(_Block):
+    """DeepSpeed ``torch_autocast``: torch.autocast around forward with fp32 weights (refused)."""
+
+    enabled: bool = Field(False, description="Run forward under torch.autocast.")
+    dtype: AnyDtype | None = Field(None, description="Autocast data type.")
+    lower_precision_safe_modules: tuple[str, ...] | None = Field(
+        None, description="Module classes whose parameters are cast to the autocast dtype."
+    )
+
+    @model_validator(mode="after")
+    def _refuse_enabled(self) -> "TorchAutocastConfig":
+        # fp32 weights with 16-bit autocast compute is a third precision mode, neither zero's
+        # fp32 training nor its fp16/bf16 (16-bit weights, fp32 master copy).
+        if self.enabled:
+            raise _refused(
+                "torch_autocast.enabled",
+                True,
+                "zero does not run forward under torch.autocast; training without it would "
+                "compute in fp32 instead of the autocast dtype. For 16-bit compute use "
+                "bf16.enabled or fp16.enabled.",
+                False,
+            )
+        return self
+
+
+class TensorParallelConfig(_Block):
+    """DeepSpeed ``tensor_parallel``: AutoTP training (refused when it shards the model)."""
+
+    autotp_size: CountOrZero = Field(
+        0, description="AutoTP tensor-parallel size; 0 or 1 leaves the model whole."
+    )
+    tp_overlap_comm: bool = Field(False, description="Overlap AutoTP communication.")
+    vocab_parallel_lm_head: bool | None = Field(
+        None, description="Shard the language-model head over the vocabulary."
+    )
+    vocab_parallel_ce_backend: Literal["torch", "liger"] = Field(
+        "torch", description="Cross-entropy kernel for a vocabulary-parallel head."
+    )
+    tp: FrozenDict = Field(
+        default_factory=dict, description="Inner tensor-parallel settings (tp_size, ...)."
+    )
+    injection_policy_tuple: tuple[Any, ...] | None = Field(
+        None, description="Module injection policy."
+    )
+    partition_config: FrozenDict | None = Field(None, description="Custom layer partitioning.")
+    preset_model: str | None = Field(None, description="Preset partitioning for a known model.")
+    keep_module_on_host: bool = Field(False, description="Keep module weights on the host.")
+    kernel_inject: bool = Field(False, description="Inject DeepSpeed inference kernels.")
+
+    @model_validator(mode="after")
+    def _refuse_autotp(self) -> "TensorParallelConfig":
+        tp_size = self.tp.get("tp_size", 1)
+        if self.autotp_size > 1 or (isinstance(tp_size, int) and tp_size > 1):
+            key, value = (
+                ("autotp_size", self.autotp_size) if self.autotp_size > 1 else ("tp", self.tp)
+            )
+            raise _refused(
+                f"tensor_parallel.{key}",
+                value,
+                "zero does not shard a model automatically (AutoTP); ignoring it would train "
+                "every layer whole on each rank, a different data-parallel layout. Build the "
+                "model from zero.tensor_parallel's layers and pass an mpu instead.",
+                0 if key == "autotp_size" else {},
+            )
+        return self
+
+
 def _capitalize(value: Any) -> Any:
     return value.capitalize() if isinstance(value, str) else value
+
+
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
+
+
+class ParallelWriteConfig(_Block):
+    """DeepSpeed ``checkpoint.parallel_write``."""
+
+    pipeline_stage: bool = Field(
+        False, description="DeepSpeed: pipeline stages write their checkpoint files in parallel."
+    )
+
+
+class CheckpointWriterConfig(_Block):
+    """DeepSpeed ``checkpoint.writer``: its checkpoint writer engine (zero writes its own way)."""
+
+    type: Annotated[Literal["MOCK", "PYTHON", "FAST"], BeforeValidator(_upper)] = Field(
+        "FAST", description="DeepSpeed writer: MOCK, PYTHON or FAST."
+    )
+    io_buffer_size: Bytes = Field(64 * 1024**2, description="Writer I/O buffer, in bytes.")
+    io_buffer_double: bool = Field(True, description="Double-buffer writes.")
+    io_multiplier: Count = Field(1, description="Writer I/O multiplier.")
+    show_statistics: bool = Field(False, description="Print write statistics.")
+    data_parallel: Annotated[
+        Literal["REPLICA", "SOCKET", "MACHINE"] | None, BeforeValidator(_upper)
+    ] = Field(None, description="Which ranks write: REPLICA, SOCKET or MACHINE.")
+    decoupled: bool = Field(False, description="Write from a separate process.")
 
 
 class CheckpointConfig(_Block):
@@ -564,6 +849,15 @@ class CheckpointConfig(_Block):
         True,
         description="On load, check the crc32 meta.json records for each file before reading "
         "it (one extra read, about 0.2 s per GB per core); false skips it for huge checkpoints.",
+    )
+    parallel_write: ParallelWriteConfig | None = Field(
+        None, description="DeepSpeed: parallel checkpoint writes by pipeline stage."
+    )
+    checkpoint_serialization: bool = Field(
+        True, description="DeepSpeed: torch.save's zipfile serialization."
+    )
+    writer: CheckpointWriterConfig | None = Field(
+        None, description="DeepSpeed's checkpoint writer engine."
     )
 
 
@@ -647,6 +941,31 @@ class Config(_Block):
     zero_force_ds_cpu_optimizer: bool = Field(
         True, description="With CPU offload, require the native CPU Adam."
     )
+    managed_gradient_accumulation: bool = Field(
+        True,
+        description="The engine counts micro-batches and steps at the boundary; false (each "
+        "step() updates) is refused.",
+    )
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = Field(
+        "mean", description="Average gradients over ranks; sum is refused."
+    )
+    dump_state: bool = Field(False, description="DeepSpeed: print its state after initialize.")
+    disable_allgather: bool = Field(
+        False, description="DeepSpeed: broadcast updated partitions instead of all-gathering."
+    )
+    disable_python_gc: bool = Field(
+        False, description="DeepSpeed: turn off Python's garbage collector during training."
+    )
+    seq_parallel_communication_data_type: AnyDtype = Field(
+        "fp32", description="DeepSpeed: data type of sequence-parallel communication."
+    )
+    vocabulary_size: Count | None = Field(
+        None, description="DeepSpeed: warn when not a multiple of 8 (tensor cores)."
+    )
+    use_data_before_expert_parallelism: bool = Field(
+        False, description="DeepSpeed: data-parallel groups before expert-parallel ones (MoE)."
+    )
+    log_level: str | None = Field(None, description="DeepSpeed: level of its own logger.")
     optimizer: OptimizerConfig | None = Field(
         None, description="Optimizer type and params; absent when the client passes one."
     )
@@ -675,10 +994,29 @@ class Config(_Block):
     )
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="CSV logs.")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logs.")
+    comet: CometConfig = Field(default_factory=CometConfig, description="Comet ML logs.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoint save/load options."
     )
     aio: AioConfig = Field(default_factory=AioConfig, description="Async I/O for nvme offload.")
+    timers: TimersConfig = Field(
+        default_factory=TimersConfig, description="DeepSpeed's throughput timer."
+    )
+    torch_autocast: TorchAutocastConfig = Field(
+        default_factory=TorchAutocastConfig, description="torch.autocast with fp32 weights."
+    )
+    tensor_parallel: TensorParallelConfig = Field(
+        default_factory=TensorParallelConfig, description="AutoTP tensor parallelism."
+    )
+    weight_quantization: FrozenDict | None = Field(
+        None, description="Quantized weights (DeepSpeed's default: enabled when given)."
+    )
+    expert_parallel: FrozenDict | None = Field(
+        None, description="AutoEP expert parallelism for MoE models."
+    )
+    datastates_ckpt: FrozenDict | None = Field(
+        None, description="DeepSpeed: DataStates asynchronous checkpointing engine."
+    )
     amp: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
     elasticity: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
     autotuning: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
@@ -695,6 +1033,41 @@ class Config(_Block):
     # The mapping this config was validated from (after deprecated names and "auto" were
     # resolved, before batch derivation), so it can be re-validated for another world size.
     _source: Mapping[str, Any] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _refuse_changed_runs(self) -> "Config":
+        # Keys whose non-default value makes DeepSpeed train something else than zero would.
+        if not self.managed_gradient_accumulation:
+            raise _refused(
+                "managed_gradient_accumulation",
+                False,
+                "zero steps the optimizer at the gradient accumulation boundary only "
+                "(gradient_accumulation_steps); each step() would not apply an update.",
+                True,
+            )
+        if self.gradient_allreduce_op != "mean":
+            raise _refused(
+                "gradient_allreduce_op",
+                self.gradient_allreduce_op,
+                "zero averages gradients over the data-parallel ranks; summing them makes each "
+                "update world-size times larger.",
+                "mean",
+            )
+        quant = self.weight_quantization
+        if quant is not None and quant.get("enabled", True) is not False:
+            raise _cross(
+                f"weight_quantization = {_show(quant)}: zero does not quantize weights; "
+                "training in full precision would not be the run the config describes. Remove "
+                'the block or set "enabled": false.'
+            )
+        expert = self.expert_parallel
+        if expert is not None and expert.get("enabled", False) is not False:
+            raise _cross(
+                f"expert_parallel = {_show(expert)}: zero does not shard experts over ranks "
+                "(AutoEP); ignoring it would replicate every expert, a different layout. "
+                'Remove the block or set "enabled": false.'
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_precision(self) -> "Config":
@@ -718,6 +1091,14 @@ class Config(_Block):
                 f"data_types.grad_accum_dtype '{accum}' does not fit {compute} training; "
                 f"use {allowed}."
             )
+        for key in ("param_dtype", "buffer_dtype"):
+            given = getattr(self.data_types, key)
+            if given not in (None, compute):
+                raise _cross(
+                    f"data_types.{key} '{given}' does not fit {compute} training: zero keeps "
+                    f"parameters and floating-point buffers in the compute dtype. Use "
+                    f"'{compute}' or remove the key."
+                )
         return self
 
     @property
@@ -772,6 +1153,8 @@ _FROM_HIDDEN_SIZE = {
 # fills with its default false (stage 3's state_dict() and save_16bit_model then raise, naming
 # the key). Everything else (lr, batch sizes, clipping, fp16/bf16, the stage, offload devices)
 # changes what is trained, so an unfilled "auto" there stays an error.
+# DeepSpeed keys whose default is the word "auto" itself: read as null, zero's spelling of it.
+_AUTO_IS_NULL = ("data_types.keep_in_fp32_modules",)
 _AUTO_TAKES_DEFAULT = (
     "reduce_bucket_size",
     "allgather_bucket_size",
@@ -897,6 +1280,11 @@ def settings_without_effect(config: Config, *, model_parallel_world_size: int) -
             "wandb.enabled: zero does not log to Weights & Biases; its step metrics go to "
             "tensorboard or csv_monitor (docs/observability.md), or log engine values from the "
             "training script."
+        )
+    if config.comet.enabled:
+        lines.append(
+            "comet.enabled: zero does not log to Comet; its step metrics go to tensorboard or "
+            "csv_monitor (docs/observability.md), or log engine values from the training script."
         )
     if config.flops_profiler.enabled:
         lines.append(
@@ -1178,6 +1566,20 @@ def _rename(block: dict[str, Any], old: str, new: str, prefix: str, where: str) 
     block[new] = block.pop(old)
 
 
+# zero_optimization keys DeepSpeed also accepts without their stage3_ prefix.
+_STAGE3_FIELD_NAMES = (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+)
+
+
 def _map_deprecated(data: dict[str, Any], where: str) -> dict[str, Any]:
     """Rewrite deprecated DeepSpeed names to current ones, warning for each (in place)."""
     _rename(data, "bfloat16", "bf16", "", where)
@@ -1192,17 +1594,36 @@ def _map_deprecated(data: dict[str, Any], where: str) -> dict[str, Any]:
         prefix,
         where,
     )
+    # DeepSpeed also reads its own field names for the stage3_ keys (populate_by_name).
+    for name in _STAGE3_FIELD_NAMES:
+        if name in zero:
+            if f"stage3_{name}" in zero:
+                raise ConfigError(
+                    f"{where}both '{prefix}{name}' and '{prefix}stage3_{name}' are given (two "
+                    f"names of one DeepSpeed key); keep only '{prefix}stage3_{name}'."
+                )
+            zero[f"stage3_{name}"] = zero.pop(name)
     for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if old not in zero:
             continue
         enabled = zero.pop(old)
-        _deprecated(prefix + old, f"{prefix}{new}.device = 'cpu'")
-        if not isinstance(enabled, bool):
+        if enabled:
+            _deprecated(prefix + old, f"{prefix}{new}.device = 'cpu'")
+        else:
+            # DeepSpeed reads false (and null) as no offload.
+            warnings.warn(
+                f"config key '{prefix}{old}' is deprecated; {_show(enabled)} means no offload, "
+                f"which is the default: remove the key (or write {prefix}{new}: "
+                '{"device": "none"}).',
+                FutureWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+        if enabled is not None and not isinstance(enabled, bool):
             raise ConfigError(
                 f"{where}invalid value for '{prefix}{old}': {_show(enabled)}. Expected true or "
                 f'false; better, write {prefix}{new}: {{"device": "cpu"}}.'
             )
-        if enabled and new in zero:
+        if new in zero:  # DeepSpeed refuses both names, whatever the old one says
             raise ConfigError(
                 f"{where}both '{prefix}{old}' (deprecated) and '{prefix}{new}' are given; "
                 f"keep only '{prefix}{new}'."
@@ -1243,6 +1664,8 @@ def _resolve_auto(
             return [fill(v, f"{key}.{i}") for i, v in enumerate(node)]
         if not (isinstance(node, str) and node == _AUTO):
             return node
+        if key in _AUTO_IS_NULL:
+            return None
         if key in auto_values:  # checked like the file's own values (an inf lr, say)
             return _checked(auto_values[key], key, where, depth=key.count(".") + 2)
         if key in _FROM_HIDDEN_SIZE and hidden is not None:

@@ -806,6 +806,153 @@ def test_deprecated_and_new_name_together_is_error():
         load({"bfloat16": {"enabled": True}, "bf16": {"enabled": True}})
 
 
+def test_cpu_offload_false_means_no_offload_and_says_so():
+    for value in (False, None):
+        with pytest.warns(FutureWarning) as record:
+            config = load({"zero_optimization": {"stage": 2, "cpu_offload": value}})
+        assert config.zero.offload_optimizer is None
+        (message,) = [str(w.message) for w in record]
+        assert "means no offload" in message and "'cpu'" not in message
+
+
+def test_cpu_offload_true_still_offloads_to_cpu():
+    with pytest.warns(FutureWarning, match="offload_optimizer.device = 'cpu'"):
+        config = load({"zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert config.zero.offload_optimizer.device == "cpu"
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_cpu_offload_with_offload_optimizer_is_an_error_either_way(value):
+    """DeepSpeed refuses the deprecated and the new name together, whatever the old one says."""
+    zero_block = {"stage": 2, "cpu_offload": value, "offload_optimizer": {"device": "none"}}
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="keep only"):
+        load({"zero_optimization": zero_block})
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="keep only"):
+        load({"zero_optimization": {"stage": 3, "cpu_offload_param": value, "offload_param": {}}})
+
+
+def test_stage3_keys_under_deepspeed_field_names():
+    config = load({"zero_optimization": {"stage": 3, "max_live_parameters": 7}})
+    assert config.zero.stage3_max_live_parameters == 7
+    message = error_of(
+        {"zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}}
+    )
+    assert "keep only 'zero_optimization.stage3_prefetch_bucket_size'" in message
+
+
+# Every DeepSpeed 0.19.8 key zero refused before, at DeepSpeed's default (or a value that leaves
+# the feature off), in one config.
+DEEPSPEED_DEFAULTS = {
+    "zero_optimization": {
+        "stage": 3,
+        "memory_efficient_linear": True,
+        "use_multi_rank_bucket_allreduce": True,
+        "stage3_use_all_reduce_for_fetch_params": False,
+        "stage3_allgather_sequential": False,
+        "log_trace_cache_warnings": False,
+        "override_module_apply": True,
+        "legacy_stage1": False,
+        "compute_grad_norm": True,
+        "parameter_alignment": False,
+        "pipeline_loading_checkpoint": False,
+        "enable_sanity_checks": False,
+        "save_muon_momentum_buffer_in_memory": False,
+        "leaf_module": {"classes": [], "names": [], "name_suffixes": []},
+        "zenflow": None,
+        "offload_optimizer": {"device": "none", "super_offload": False, "cpuadam_cores_perc": 0.8},
+    },
+    "bf16": {
+        "enabled": True,
+        "check_grad_overflow": True,
+        "bf16_master_weights_and_grads": False,
+        "bf16_optimizer_states": False,
+    },
+    "data_types": {"param_dtype": "bf16", "buffer_dtype": None, "keep_in_fp32_modules": "auto"},
+    "torch_autocast": {"enabled": False, "dtype": "bfloat16", "lower_precision_safe_modules": []},
+    "dump_state": False,
+    "disable_allgather": False,
+    "disable_python_gc": False,
+    "seq_parallel_communication_data_type": "fp32",
+    "managed_gradient_accumulation": True,
+    "gradient_allreduce_op": "mean",
+    "vocabulary_size": None,
+    "use_data_before_expert_parallelism": False,
+    "log_level": None,
+    "weight_quantization": {"enabled": False, "num_bits": 8},
+    "expert_parallel": {"enabled": False, "autoep_size": 1},
+    "comet": {"enabled": False, "samples_log_interval": 100, "project": None, "mode": None},
+    "tensor_parallel": {"autotp_size": 0, "tp_overlap_comm": False, "tp": {"tp_size": 1}},
+    "timers": {"throughput": {"enabled": True, "synchronized": True}},
+    "datastates_ckpt": None,
+    "checkpoint": {
+        "tag_validation": "Warn",
+        "parallel_write": {"pipeline_stage": False},
+        "checkpoint_serialization": True,
+        "writer": {"type": "fast", "io_buffer_size": 64 * 1024**2, "data_parallel": None},
+    },
+}
+
+
+def test_deepspeed_keys_at_their_defaults_load_quietly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = load(DEEPSPEED_DEFAULTS)
+    assert config.zero.memory_efficient_linear and config.bf16.check_grad_overflow
+    assert config.checkpoint.parallel_write.pipeline_stage is False
+    assert config.checkpoint.writer.type == "FAST"
+    assert config.tensor_parallel.autotp_size == 0 and not config.comet.enabled
+    assert load({}).bf16.check_grad_overflow  # DeepSpeed's default is true
+    assert settings_without_effect(config, model_parallel_world_size=1) == []
+
+
+REFUSED = [
+    ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled = true", "enabled: false"),
+    (
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+        "bf16.bf16_master_weights_and_grads = true",
+        "bf16_master_weights_and_grads: false",
+    ),
+    (
+        {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+        "bf16.bf16_optimizer_states = true",
+        "bf16_optimizer_states: false",
+    ),
+    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size = 2", "autotp_size: 0"),
+    ({"tensor_parallel": {"tp": {"tp_size": 4}}}, "tensor_parallel.tp = {", "tp: {}"),
+    ({"weight_quantization": {"num_bits": 8}}, "weight_quantization = {", '"enabled": false'),
+    ({"expert_parallel": {"enabled": True}}, "expert_parallel = {", '"enabled": false'),
+    (
+        {"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}},
+        "zero_optimization.zenflow = {",
+        "Remove the key",
+    ),
+    (
+        {"managed_gradient_accumulation": False},
+        "managed_gradient_accumulation = false",
+        "managed_gradient_accumulation: true",
+    ),
+    ({"gradient_allreduce_op": "SUM"}, 'gradient_allreduce_op = "sum"', 'op: "mean"'),
+    (
+        {"data_types": {"keep_in_fp32_modules": ["norm"]}},
+        'data_types.keep_in_fp32_modules = ["norm"]',
+        'keep_in_fp32_modules: "auto"',
+    ),
+    ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype 'bf16'", "Use 'fp32'"),
+    (
+        {"bf16": {"enabled": True}, "data_types": {"buffer_dtype": "fp32"}},
+        "data_types.buffer_dtype 'fp32'",
+        "Use 'bf16'",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, named, fix", REFUSED, ids=[r[1].split(" ")[0] for r in REFUSED])
+def test_keys_that_would_change_the_run_are_refused(extra, named, fix):
+    message = error_of(extra)
+    assert named in message and fix in message
+    assert message.count("\n") == 0  # one problem, one message
+
+
 def test_unsupported_block_warns_once():
     with pytest.warns(UserWarning, match="pipeline") as record:
         config = load({"pipeline": {"enabled": True, "stages": 2}, "amp": {"enabled": False}})
@@ -1059,6 +1206,7 @@ def test_settings_without_effect_only_without_model_parallelism():
     "block, words",
     [
         ({"wandb": {"enabled": True}}, "does not log to Weights & Biases"),
+        ({"comet": {"enabled": True}}, "does not log to Comet"),
         ({"flops_profiler": {"enabled": True}}, "no per-module FLOPs profiler"),
         ({"prescale_gradients": True}, "divides once after the reduction"),
         ({"gradient_predivide_factor": 2.0}, "divides once after the reduction"),
