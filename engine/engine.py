@@ -263,7 +263,8 @@ class Engine(torch.nn.Module):
             reduce_dtype=dtypes[comm_dtype] if comm_dtype else self.config.compute_dtype,
             allgather_numel=self.config.zero.allgather_bucket_size,
             clip=self.config.gradient_clipping,
-            overflow_check=self.config.fp16.enabled,
+            overflow_check=self.config.fp16.enabled
+            or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow),
             model_parallel=self._model_parallel_norm(mpu),
             offload=self._offload_optimizer is not None and split is None,
             pin_memory=bool(self._offload_optimizer and self._offload_optimizer.pin_memory),
@@ -462,7 +463,7 @@ class Engine(torch.nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Finish a micro-batch; at the accumulation boundary update parameters (collective).
 
-        At the boundary: unscale, check overflow (fp16), clip to gradient_clipping, step the
+        At the boundary: unscale, check overflow (fp16, bf16), clip to gradient_clipping, step the
         optimizer on the owned shards, all-gather parameters, step the lr scheduler (not on a
         skipped step) with `lr_kwargs` as its keyword arguments (DeepSpeed's, e.g. Megatron's
         {"increment": n}), and broadcast rank 0's floating-point buffers.

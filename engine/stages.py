@@ -144,8 +144,9 @@ class ReduceSettings:
     and shards [data_types.grad_accum_dtype, default fp32]. allgather_numel: the most parameter
     elements all-gathered at once [zero_optimization.allgather_bucket_size]. clip: global-norm
     threshold, 0 disables [gradient_clipping]. overflow_check: skip steps whose gradients are not
-    finite (fp16). model_parallel: a zero.mpu.ModelParallelNorm when the model is tensor-parallel,
-    so the norm counts every model-parallel slice once. offload, pin_memory: keep fp32 master
+    finite (fp16; bf16 with bf16.check_grad_overflow). model_parallel: a
+    zero.mpu.ModelParallelNorm when the model is tensor-parallel, so the norm counts every
+    model-parallel slice once. offload, pin_memory: keep fp32 master
     weights, their gradient and the optimizer state in (page-locked) host memory and step there
     [zero_optimization.offload_optimizer.device "cpu", .pin_memory] (ZeRO-Offload). offload_param,
     pin_param: stage 3 keeps each parameter shard in (page-locked) host memory and copies it to the
@@ -579,7 +580,7 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """Unscale, check overflow, clip and update the owned shards; all-gather parameters.
 
-        Returns True when the step was applied, False when skipped (fp16 overflow). Collective.
+        Returns True when the step was applied, False when skipped (overflow). Collective.
         Records the global gradient norm (before clipping, identical on every rank).
         """
         if self.comm.agreement is not None and self.layout.num_shards == 1:

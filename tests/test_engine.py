@@ -255,3 +255,21 @@ def test_failed_initialize_leaves_the_model_as_it_found_it(stage):
             assert not module._forward_pre_hooks and not module._state_dict_pre_hooks
         got = _train_once(model, cfg)
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.parametrize("check, applied", [(None, False), (True, False), (False, True)])
+def test_bf16_check_grad_overflow_skips_non_finite_steps(check, applied):
+    """DeepSpeed's bf16.check_grad_overflow (default true) skips a step whose gradients are not
+    finite; false applies it."""
+    bf16 = {"enabled": True} if check is None else {"enabled": True, "check_grad_overflow": check}
+    cfg = base_config(bf16=bf16, gradient_accumulation_steps=1)
+    engine, _, _, _ = zero.initialize(model=Tiny(), config=cfg)
+    before = engine.module.a.weight.detach().clone()
+    x = torch.randn(2, 5, dtype=torch.bfloat16)
+    x[0, 0] = float("inf")
+    engine.backward(engine(x))
+    engine.step()
+    assert engine.was_step_applied() is applied
+    assert engine.skipped_steps == (0 if applied else 1)
+    if not applied:
+        assert torch.equal(engine.module.a.weight, before)
