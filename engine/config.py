@@ -569,10 +569,11 @@ class ZeroConfig(_Block):
     save_muon_momentum_buffer_in_memory: bool = Field(
         False, description="DeepSpeed: keep Muon momentum in memory under nvme offload."
     )
+    # Acted on (engine.py, _leaf_classes and _mark_leaf_names), unlike the switches above.
     leaf_module: LeafModuleConfig | None = Field(
         None,
-        description="DeepSpeed: modules fetched as one stage-3 unit; zero's equivalent is "
-        "stage3_module_classes.",
+        description="Modules fetched as one stage-3 unit: classes (added to "
+        "stage3_module_classes), module names and name suffixes.",
     )
     zenflow: FrozenDict | None = Field(
         None, description="ZenFlow (stale updates of less important gradients); refused."

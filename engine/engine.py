@@ -46,6 +46,7 @@ from .stage3 import (
     UnitState,
     choose_units,
     is_leaf,
+    mark_leaf,
     persistent_unit,
     unmanaged_parameter,
 )
@@ -90,6 +91,7 @@ class Engine(torch.nn.Module):
         self.accelerator = accelerator
         self.module = model
         refuse_meta(model, comm.rank)  # e.g. built under torch.device("meta"), never loaded
+        _mark_leaf_names(model, config.zero)  # before the fingerprint, which counts leaves
         # Validate the optimizer and its param groups before any collective or device move.
         client_optimizer = optimizer is not None
         _check_one_source(config, optimizer, lr_scheduler)
@@ -234,7 +236,7 @@ class Engine(torch.nn.Module):
         return choose_units(
             self.module,
             threshold,
-            zero_cfg.stage3_module_classes or (),
+            _leaf_classes(zero_cfg),
             zero_cfg.stage3_param_persistence_threshold,
             zero_cfg.stage3_model_persistence_threshold,
         )
@@ -908,7 +910,7 @@ def _fingerprint(model, config, optimizer) -> int:
         zero_cfg.stage,
         zero_cfg.reduce_bucket_size,
         zero_cfg.stage3_module_granularity_threshold,
-        zero_cfg.stage3_module_classes,
+        _leaf_classes(zero_cfg),
         zero_cfg.stage3_param_persistence_threshold,
         zero_cfg.stage3_model_persistence_threshold,
         str(config.compute_dtype),
@@ -930,6 +932,34 @@ def _fingerprint(model, config, optimizer) -> int:
     ]
     update = (type(optimizer).__name__, groups)
     return zlib.crc32(repr((params, buffers, leaves, keys, update)).encode())
+
+
+def _leaf_classes(zero_cfg) -> tuple:
+    """Module class names stage 3 fetches as one unit: stage3_module_classes and DeepSpeed's
+    leaf_module.classes (its names and name_suffixes: _mark_leaf_names)."""
+    leaf = zero_cfg.leaf_module
+    return tuple(zero_cfg.stage3_module_classes or ()) + (leaf.classes if leaf else ())
+
+
+def _mark_leaf_names(model, zero_cfg) -> None:
+    """leaf_module.names / name_suffixes: mark those modules as stage-3 leaves; ValueError
+    naming a name that matches no module (a misspelling would leave experts as units)."""
+    leaf = zero_cfg.leaf_module
+    if leaf is None or zero_cfg.stage != 3:
+        return
+    named = dict(model.named_modules())
+    for key, wanted in (("names", leaf.names), ("name_suffixes", leaf.name_suffixes)):
+        for text in wanted:
+            found = [
+                m for n, m in named.items() if (n == text if key == "names" else n.endswith(text))
+            ]
+            if not found:
+                raise ValueError(
+                    f"zero_optimization.leaf_module.{key}: no module of {type(model).__name__} "
+                    f"is named {'' if key == 'names' else 'with the suffix '}'{text}'"
+                )
+            for module in found:
+                mark_leaf(module)
 
 
 def _check_groups_disjoint(params, module):

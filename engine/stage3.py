@@ -56,6 +56,11 @@ from .init import full_numel, tensors_in
 _LEAF_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
+def mark_leaf(module: torch.nn.Module) -> None:
+    """Make `module` one fetch unit whatever its size (zero.utils.set_z3_leaf_modules)."""
+    _LEAF_MODULES.add(module)
+
+
 def is_leaf(module: torch.nn.Module) -> bool:
     """True for a module marked by zero.utils.set_z3_leaf_modules."""
     return module in _LEAF_MODULES

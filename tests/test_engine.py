@@ -273,3 +273,30 @@ def test_bf16_check_grad_overflow_skips_non_finite_steps(check, applied):
     assert engine.skipped_steps == (0 if applied else 1)
     if not applied:
         assert torch.equal(engine.module.a.weight, before)
+
+
+def test_deepspeed_leaf_module_block_makes_stage3_fetch_units():
+    """zero_optimization.leaf_module (DeepSpeed's): classes, names and name suffixes each make
+    a module one fetch unit, as stage3_module_classes does; a name matching nothing is an error."""
+
+    def units(leaf):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Tiny(), Tiny())
+        zero_cfg = {
+            "stage": 3,
+            "stage3_module_granularity_threshold": 1,
+            "stage3_param_persistence_threshold": 0,
+            "leaf_module": leaf,
+        }
+        engine, _, _, _ = zero.initialize(
+            model=model, config=base_config(zero_optimization=zero_cfg)
+        )
+        names = {id(m): n for n, m in engine.module.named_modules()}
+        return sorted(names[id(u.module)] for u in engine.gatherer.units if not u.persistent)
+
+    assert units({}) == ["0.a", "0.b", "1.a", "1.b"]
+    assert units({"classes": ["Tiny"]}) == ["0", "1"]
+    assert units({"names": ["0"]}) == ["0", "1.a", "1.b"]
+    assert units({"name_suffixes": ["1"]}) == ["0.a", "0.b", "1"]
+    with pytest.raises(ValueError, match="leaf_module.names: no module of Sequential is named 'x'"):
+        units({"names": ["x"]})
