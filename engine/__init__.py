@@ -41,10 +41,32 @@ _MODULES = {
     "zero": "zero",  # deepspeed.zero's names: zero.zero.Init, zero.zero.GatheredParameters
 }
 
-__all__ = sorted([*_EXPORTS, *_MODULES])
+__all__ = sorted([*_EXPORTS, *_MODULES, "__version__"])
+
+
+def _version() -> str:
+    """The installed distribution's version, else (a source tree on PYTHONPATH) setup.py's."""
+    import os
+    import re
+    from importlib import metadata
+
+    try:
+        return metadata.version("zero")
+    except metadata.PackageNotFoundError:
+        pass
+    setup = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "setup.py")
+    try:
+        with open(setup, encoding="utf-8") as handle:
+            found = re.search(r"""\bversion\s*=\s*["']([^"']+)["']""", handle.read())
+    except OSError:
+        found = None
+    return found.group(1) if found else "0+unknown"
 
 
 def __getattr__(name: str):
+    if name == "__version__":
+        value = globals()["__version__"] = _version()
+        return value
     if name in _MODULES:
         value = importlib.import_module(f".{_MODULES[name]}", __name__)
         globals()[name] = value

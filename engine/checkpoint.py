@@ -190,6 +190,7 @@ class _Meta(_Schema):
     client_state: dict[str, JsonValue]
     files: dict[_FileName, _Count]
     crc32: dict[_FileName, _Crc32] | None = None  # absent in checkpoints of older versions
+    frozen: list[str] | None = None  # absent in checkpoints of older versions
 
     @field_validator("python_rng")
     @classmethod
@@ -584,7 +585,21 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, files: dict, cr
         "client_state": client_state,
         "files": files,
         "crc32": crcs,
+        "frozen": _frozen_names(engine),
     }
+
+
+def _frozen_names(engine) -> list[str]:
+    """The names module.safetensors holds frozen parameters under (requires_grad=False; each
+    tensor under its first name), so consolidation can leave them out without the model."""
+    laid_out, seen, names = _laid_out_ids(engine), set(), []
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        if id(param) in laid_out or id(param) in seen:
+            continue
+        seen.add(id(param))
+        if not param.requires_grad:
+            names.append(name)
+    return names
 
 
 def _group_buckets(engine, group: int):
@@ -738,6 +753,9 @@ def resolve(load_dir: str, tag: str | None) -> str:
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
         if not os.path.isfile(latest):
+            deepspeed = deepspeed_checkpoint_files(load_dir)
+            if deepspeed:
+                raise CheckpointError(deepspeed_checkpoint_message(load_dir, deepspeed))
             raise CheckpointError(f"{latest} does not exist; pass tag= or save with save_latest")
         try:
             with open(latest, "rb") as handle:
@@ -758,7 +776,41 @@ def resolve(load_dir: str, tag: str | None) -> str:
             old,
         )
         return old
+    deepspeed = deepspeed_checkpoint_files(path)
+    if deepspeed:
+        raise CheckpointError(deepspeed_checkpoint_message(path, deepspeed))
     raise CheckpointError(f"{os.path.join(path, META)} does not exist: not a zero checkpoint")
+
+
+# DeepSpeed's files in a checkpoint directory: mp_rank_00_model_states.pt (stages 0-2),
+# zero_pp_rank_0_mp_rank_00_model_states.pt (stage 3), *_optim_states.pt (the optimizer shards).
+_DEEPSPEED_FILE = re.compile(r".*_(model|optim)_states\.pt")
+
+
+def deepspeed_checkpoint_files(path: str) -> list[str]:
+    """The DeepSpeed checkpoint files in directory `path` (sorted; empty when there are none or
+    `path` is not a readable directory)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(n for n in names if _DEEPSPEED_FILE.fullmatch(n))
+
+
+def deepspeed_checkpoint_message(path: str, files: list[str]) -> str:
+    """What a DeepSpeed checkpoint is to zero, and how to carry its weights over."""
+    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    save_dir = os.path.dirname(os.path.abspath(path))
+    return (
+        f"{path} is a DeepSpeed checkpoint ({shown}), not a zero checkpoint: zero reads only its "
+        "own format (safetensors and meta.json) and never unpickles .pt files, which can run "
+        "code. To continue from it, consolidate its weights with DeepSpeed's own zero_to_fp32.py "
+        f"(the copy DeepSpeed saved in {save_dir}, or deepspeed.utils.zero_to_fp32) into a state "
+        "dict, e.g. `python zero_to_fp32.py SAVE_DIR OUT_DIR --safe_serialization`; load it into "
+        "the model with model.load_state_dict(...) before zero.initialize; then train on and "
+        "save zero checkpoints (the optimizer state, lr scheduler and step counters start "
+        "afresh; see docs/checkpoints.md, 'Checkpoints from DeepSpeed')"
+    )
 
 
 def read_meta(path: str) -> dict:
@@ -1045,6 +1097,15 @@ def _training_state_problems(meta, engine, load_optimizer: bool, load_scheduler:
             now = _jsonable({k: v for k, v in now.items() if k != "params" and k in group})
             problems += _kind_problems(group, now, f"param_groups.{index}")
     scheduler = engine.lr_scheduler
+    if load_scheduler and scheduler is not None and meta["lr_scheduler"] is None:
+        name = type(scheduler).__name__
+        problems.append(
+            f"the checkpoint was saved without an lr scheduler, and this run has {name}: there is "
+            f"no schedule position to restore, and loading on would train with the saved "
+            f"optimizer lr instead of {name}'s. Pass load_lr_scheduler_states=False to keep "
+            f"{name} where it is (from its start in a new run; the param groups keep the lr it "
+            "set), or resume from a checkpoint saved with the scheduler"
+        )
     if load_scheduler and scheduler is not None and meta["lr_scheduler"] is not None:
         now = _jsonable(scheduler.state_dict())
         found = _kind_problems(meta["lr_scheduler"], now, "lr_scheduler")
@@ -1228,9 +1289,12 @@ def _read_to_device(reader, group: int, kind: str, begin: int, target: torch.Ten
 
 def _apply_training_state(engine, meta, load_optimizer: bool, load_scheduler: bool) -> None:
     if load_optimizer:
+        # A scheduler whose state is not loaded keeps driving the lr: the param groups keep the
+        # values it wrote ([Note: a scheduler that is not loaded]).
+        kept = _scheduled_keys(engine.lr_scheduler) if not load_scheduler else ()
         for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
             for key, value in saved.items():
-                if key == "params" or key not in group:
+                if key == "params" or key not in group or key in kept:
                     continue  # only the hyper-parameters this optimizer has: never its tensors
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
         engine.scaler.load_state_dict(meta["loss_scaler"])
@@ -1241,6 +1305,21 @@ def _apply_training_state(engine, meta, load_optimizer: bool, load_scheduler: bo
     engine.global_samples = counters["global_samples"]
     engine.skipped_steps = counters["skipped_steps"]
     engine.micro_steps = counters["micro_steps"]
+
+
+def _scheduled_keys(scheduler) -> tuple[str, ...]:
+    """[Note: a scheduler that is not loaded]
+    With load_lr_scheduler_states=False (which a checkpoint saved without a scheduler needs),
+    this run's scheduler keeps its own position, and the param-group values it writes stay its
+    own: "lr", and the momentum a one-cycle schedule cycles ("betas" or "momentum"). Restoring
+    the saved lr instead would run the first step after the load at the old run's lr and the
+    next ones at the scheduler's. The other hyper-parameters (weight decay, eps...) load."""
+    if scheduler is None:
+        return ()
+    keys = ("lr",)
+    if getattr(scheduler, "cycle_momentum", False):  # zero's OneCycle, torch's OneCycleLR
+        keys += ("betas", "momentum")
+    return keys
 
 
 # ----- consolidation --------------------------------------------------------------------------
@@ -1256,10 +1335,12 @@ class ConsolidatedReader:
 
     `names`: every tensor once, trained parameters group by group, then the others (frozen
     parameters, buffers) of module.safetensors; `ties`: alias -> canonical name for the names
-    a tied tensor also has (not in `names`). `shape(name)`, `dtype(name)` (as read: fp32 for
-    floating point) and `read(name)` (the full tensor, padding removed; master weights bitwise
-    the saved fp32 values) read only what the tensor needs, so a caller that writes each tensor
-    before reading the next holds one tensor, never the model. Raises CheckpointError.
+    a tied tensor also has (not in `names`); `frozen`: the names in `names` of frozen
+    parameters, or None for a checkpoint of a zero version that did not record them.
+    `shape(name)`, `dtype(name)` (as read: fp32 for floating point) and `read(name)` (the full
+    tensor, padding removed; master weights bitwise the saved fp32 values) read only what the
+    tensor needs, so a caller that writes each tensor before reading the next holds one
+    tensor, never the model. Raises CheckpointError.
     """
 
     def __init__(
@@ -1273,6 +1354,7 @@ class ConsolidatedReader:
         if verify:
             verify_checksums(path, meta, meta["files"])
         self.path, self.state, self.ties = path, state, dict(meta["ties"])
+        self.frozen = None if meta.get("frozen") is None else set(meta["frozen"])
         self._groups = GroupReader(path, meta)
         self._trained: dict[str, tuple] = {}  # name -> (group, offset in group coordinates)
         self._shapes: dict[str, tuple] = {}
@@ -1314,21 +1396,40 @@ class ConsolidatedReader:
 
 
 def consolidate(
-    checkpoint_dir: str, tag: str | None = None, state: str = "master", verify: bool = True
+    checkpoint_dir: str,
+    tag: str | None = None,
+    state: str = "master",
+    verify: bool = True,
+    exclude_frozen: bool = False,
 ) -> dict:
     """Full fp32 state dict of a checkpoint, in one process, without the original world size.
 
     Arguments as ConsolidatedReader's. Returns name -> tensor for every parameter and buffer of
     the model (tied names included, as equal copies), with padding removed; master weights are
     bitwise the saved fp32 values; frozen parameters and floating-point buffers are cast to
-    fp32. Raises CheckpointError.
+    fp32. `exclude_frozen` leaves frozen parameters out (buffers stay). Raises CheckpointError.
     """
     reader = ConsolidatedReader(checkpoint_dir, tag, state, verify)
-    out = {name: reader.read(name) for name in progress(reader.names, "consolidate", unit="tensor")}
+    names = consolidated_names(reader, exclude_frozen)
+    out = {name: reader.read(name) for name in progress(names, "consolidate", unit="tensor")}
     for alias, canonical in reader.ties.items():
         if canonical in out:
             out[alias] = out[canonical].clone()
     return out
+
+
+def consolidated_names(reader: ConsolidatedReader, exclude_frozen: bool = False) -> list[str]:
+    """reader.names, without the frozen parameters when `exclude_frozen`. Raises CheckpointError
+    for exclude_frozen on a checkpoint that does not record which tensors are frozen."""
+    if not exclude_frozen:
+        return list(reader.names)
+    if reader.frozen is None:
+        raise CheckpointError(
+            f"{os.path.join(reader.path, META)} does not record which parameters are frozen (a "
+            "checkpoint of an older zero version): consolidate without excluding them and drop "
+            "their names from the state dict, or load and save the checkpoint again"
+        )
+    return [name for name in reader.names if name not in reader.frozen]
 
 
 def _numel(shape) -> int:

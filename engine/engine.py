@@ -684,7 +684,10 @@ class Engine(torch.nn.Module):
         `latest` file (nothing saved yet: a first run of an auto-resuming script) loads nothing
         and returns (None, None) with a warning, as DeepSpeed does; every rank must see the same
         (RankMismatchError otherwise). Raises CheckpointError naming the file and the key for a
-        missing or truncated file or a model that does not fit, before any state is modified.
+        missing or truncated file or a model that does not fit, before any state is modified;
+        also for a checkpoint saved without an lr scheduler loaded into an engine with one
+        (unless load_lr_scheduler_states=False: the scheduler then keeps its position and the
+        lr it set) and for a DeepSpeed checkpoint (the message gives the migration path).
         """
         from . import checkpoint
 
@@ -692,11 +695,16 @@ class Engine(torch.nn.Module):
         nothing = tag is None and not os.path.lexists(os.path.join(load_dir, checkpoint.LATEST))
         self._enter("load_checkpoint", int(nothing))
         if nothing:
+            deepspeed = checkpoint.deepspeed_checkpoint_files(load_dir)
             logger.warning(
                 "load_checkpoint: %s has no '%s' file: nothing was loaded (pass tag= to load a "
-                "checkpoint by name)",
+                "checkpoint by name)%s",
                 load_dir,
                 checkpoint.LATEST,
+                "; it holds a DeepSpeed checkpoint: "
+                + checkpoint.deepspeed_checkpoint_message(load_dir, deepspeed)
+                if deepspeed
+                else "",
             )
             return None, None
         return checkpoint.load(

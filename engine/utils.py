@@ -1,4 +1,5 @@
-"""zero.utils: DeepSpeed's deepspeed.utils helpers: stage-3 leaf modules, sharded state.
+"""zero.utils: DeepSpeed's deepspeed.utils helpers: stage-3 leaf modules, sharded state,
+logging (`logger`, `log_dist`) and `zero.utils.zero_to_fp32` (deepspeed.utils.zero_to_fp32).
 
 A leaf module is gathered and released as one stage-3 fetch unit whatever its size, so the
 children it picks by data (the experts of a mixture of experts, which receive different tokens
@@ -25,14 +26,37 @@ into the padded bucket, cut out the slot. A rank's local part is the slot's over
 slice (possibly empty).
 """
 
+import logging
+import sys
 import zlib
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from . import gathered
+from . import gathered, zero_to_fp32
 from .stage3 import _LEAF_MODULES, is_leaf
+
+# `from zero.utils.zero_to_fp32 import ...` (DeepSpeed: deepspeed.utils.zero_to_fp32) finds the
+# module engine/zero_to_fp32.py, as `import os.path` finds posixpath: zero.utils is one module,
+# so the submodule name is registered here, and the import system looks it up in sys.modules.
+sys.modules[f"{__name__}.zero_to_fp32"] = zero_to_fp32
+
+# zero's logger (DeepSpeed's deepspeed.utils.logger): every zero module logs through it.
+logger = logging.getLogger("zero")
+
+
+def log_dist(message, ranks=None, level=logging.INFO) -> None:
+    """Log `message` with the prefix "[Rank R] " through zero's logger on the ranks listed in
+    `ranks`: a list of global ranks, or [-1] for every rank; with None (or an empty list) no
+    rank logs once a process group exists. Without a process group the message is always
+    logged, as "[Rank -1] ...". DeepSpeed's deepspeed.utils.log_dist. Not a collective."""
+    started = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if started else -1
+    ranks = list(ranks or [])
+    if started and not (ranks and (ranks[0] == -1 or rank in ranks)):
+        return
+    logger.log(level, "[Rank %d] %s", rank, message)
 
 
 def _matches(module: torch.nn.Module, classes) -> bool:

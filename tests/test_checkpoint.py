@@ -71,7 +71,14 @@ class SubgroupMPU:
 
 
 def make_engine(
-    stage, dtype="fp32", bucket=40, model=None, mpu=None, opt_cls=torch.optim.AdamW, extra=None
+    stage,
+    dtype="fp32",
+    bucket=40,
+    model=None,
+    mpu=None,
+    opt_cls=torch.optim.AdamW,
+    extra=None,
+    scheduler=SCHED,
 ):
     torch.manual_seed(0)
     model = model or Net()
@@ -80,9 +87,10 @@ def make_engine(
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
-        "scheduler": SCHED,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
     }
+    if scheduler is not None:
+        cfg["scheduler"] = scheduler
     if dtype in ("bf16", "fp16"):
         cfg[dtype] = {"enabled": True}
     cfg.update(extra or {})
@@ -462,3 +470,68 @@ def test_checkpoint_loads_into_another_stages_layout_order(tmp_path):
             assert loaded.keys() == saved.keys()
             for name, value in saved.items():
                 assert torch.equal(loaded[name], value), (tag, state, name)
+
+
+# ----- lr scheduler presence ------------------------------------------------------------------
+def masters_of(engine):
+    return [b.master[: b.layout.shard_numel].clone() for b in engine.optimizer.buckets]
+
+
+def scheduler_presence(root):
+    """On 2 ranks: a checkpoint saved without a scheduler, loaded into an engine with one."""
+    batches = global_batches(3)
+    plain = make_engine(2, scheduler=None)
+    train(plain, batches[:2])
+    plain.save_checkpoint(os.path.join(root, "plain"), tag="T")
+    out = {"saved_lr": plain.get_lr(), "saved_masters": masters_of(plain)}
+    engine = make_engine(2)  # WarmupLR, at its start
+    before = (masters_of(engine), engine.get_lr(), engine.global_steps)
+    try:
+        engine.load_checkpoint(os.path.join(root, "plain"))
+        out["error"] = None
+    except CheckpointError as error:
+        out["error"] = str(error)
+    after = (masters_of(engine), engine.get_lr(), engine.global_steps)
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    out["unchanged"] &= before[1:] == after[1:]
+    engine.load_checkpoint(os.path.join(root, "plain"), load_lr_scheduler_states=False)
+    out["kept"] = (engine.get_lr(), engine.lr_scheduler.last_batch_iteration, engine.global_steps)
+    out["weight_decay"] = [g["weight_decay"] for g in engine.optimizer.param_groups]
+    out["loaded_masters"] = masters_of(engine)
+    train(engine, batches[2:])
+    out["next"] = (engine.get_lr(), engine.lr_scheduler.last_batch_iteration, engine.global_steps)
+    # The same rule when the checkpoint has a scheduler: this run's keeps driving the lr.
+    scheduled = make_engine(2)
+    train(scheduled, batches[:2])
+    scheduled.save_checkpoint(os.path.join(root, "scheduled"), tag="T")
+    fresh = make_engine(2)
+    start = fresh.get_lr()
+    fresh.load_checkpoint(os.path.join(root, "scheduled"), load_lr_scheduler_states=False)
+    out["scheduled"] = (scheduled.get_lr(), start, fresh.get_lr())
+    fresh.load_checkpoint(os.path.join(root, "scheduled"))  # loaded: the saved position
+    out["loaded"] = (fresh.get_lr(), fresh.lr_scheduler.last_batch_iteration)
+    return out
+
+
+def test_checkpoint_without_scheduler_into_engine_with_one(tmp_path):
+    """Loading, with load_lr_scheduler_states=True, a checkpoint saved without a scheduler into an
+    engine with one is an error on every rank before anything changes; with False the run's
+    scheduler keeps its position and the lr it set, the rest of the checkpoint loads."""
+    results = run_ranks(scheduler_presence, 2, str(tmp_path), timeout=240)
+    for rank, out in enumerate(results):
+        error = out["error"]
+        assert error is not None, rank
+        assert "saved without an lr scheduler, and this run has WarmupLR" in error, error
+        assert "load_lr_scheduler_states=False" in error and "meta.json" in error, error
+        assert out["unchanged"], rank
+        start = [SCHED["params"]["warmup_min_lr"]] * 3
+        assert out["saved_lr"] == [1e-2, 2e-2, 1e-2] != start
+        lr, iteration, steps = out["kept"]
+        assert lr == start and iteration == -1 and steps == 2, out["kept"]
+        assert out["weight_decay"] == [0.1, 0.0, 0.0]
+        for loaded, saved in zip(out["loaded_masters"], out["saved_masters"]):
+            assert torch.equal(loaded, saved)
+        assert out["next"] == (start, 0, 3), out["next"]  # the schedule's first step (t = 0)
+        saved, start_lr, kept = out["scheduled"]
+        assert kept == start_lr == start != saved, out["scheduled"]
+        assert out["loaded"] == (saved, 1), out["loaded"]

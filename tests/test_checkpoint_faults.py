@@ -213,7 +213,8 @@ def test_bad_checkpoints_fail_before_any_state_changes(tmp_path):
 
 def test_meta_json_sets_only_known_typed_fields(tmp_path):
     """A hand-edited meta.json cannot set engine attributes or an optimizer's tensors: unknown
-    counters are refused, a null lr_scheduler leaves the run's scheduler, and param-group keys
+    counters are refused, a null lr_scheduler is refused unless load_lr_scheduler_states=False
+    (which leaves the run's scheduler), and param-group keys
     other than this optimizer's hyper-parameters (its "params" above all) are not applied."""
     engine = make_engine(2)  # with a WarmupLR scheduler
     train(engine, global_batches(1))
@@ -232,7 +233,9 @@ def test_meta_json_sets_only_known_typed_fields(tmp_path):
 
     edit_meta(odd / "T", change)
     scheduler, params = engine.lr_scheduler, list(engine.optimizer.param_groups[0]["params"])
-    engine.load_checkpoint(odd)
+    with pytest.raises(CheckpointError, match="saved without an lr scheduler"):
+        engine.load_checkpoint(odd)
+    engine.load_checkpoint(odd, load_lr_scheduler_states=False)
     assert engine.lr_scheduler is scheduler
     assert engine.optimizer.param_groups[0]["params"] == params
     assert "not_a_hyperparameter" not in engine.optimizer.param_groups[0]

@@ -4,6 +4,7 @@ call (manual accumulation boundaries, no_sync, partial checkpoint loads, queries
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -540,11 +541,10 @@ def test_backward_scale_wrt_gas_and_step_lr_kwargs():
     assert scheduler.calls == [{"increment": 4}, {}]
 
 
-def test_auto_resume_from_an_empty_directory_loads_nothing(tmp_path, caplog):
+def test_auto_resume_from_an_empty_directory_loads_nothing(tmp_path, zero_log):
     engine, _ = sgd_engine()
-    with caplog.at_level("WARNING", logger="zero"):
-        assert engine.load_checkpoint(tmp_path / "none_yet") == (None, None)
-    assert "nothing was loaded" in caplog.text
+    assert engine.load_checkpoint(tmp_path / "none_yet") == (None, None)
+    assert "nothing was loaded" in zero_log[-1] and "DeepSpeed" not in zero_log[-1]
     with pytest.raises(zero.CheckpointError):
         engine.load_checkpoint(tmp_path / "none_yet", tag="global_step5")  # asked by name
 
@@ -575,3 +575,260 @@ def test_client_optimizer_or_scheduler_beside_a_config_block_is_said(caplog):
     with caplog.at_level("WARNING", logger="zero"):
         zero.initialize(model=model, optimizer=same, config=small_config())
     assert "ignored" not in caplog.text
+
+
+# ----- deepspeed.utils.zero_to_fp32, __version__, logging --------------------------------------
+class TiedNet(torch.nn.Module):
+    """A tied embedding/output weight, a frozen layer, a buffer and a non-persistent buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.fc = torch.nn.Linear(6, 6)
+        self.frozen = torch.nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("cache", torch.ones(3), persistent=False)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        h = torch.tanh(self.fc(h)) * self.scale + self.frozen(h)
+        return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, 11), y.reshape(-1))
+
+
+def tied_engine(tmp_path, stage=2):
+    torch.manual_seed(0)
+    cfg = small_config()
+    cfg["zero_optimization"] = {"stage": stage}
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    engine, *_ = zero.initialize(model=TiedNet(), config=cfg)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x, y = torch.randint(0, 11, (2, 4), generator=g), torch.randint(0, 11, (2, 4), generator=g)
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    return engine, x, y
+
+
+def test_zero_to_fp32_functions_as_deepspeed_utils(tmp_path, zero_log):
+    from safetensors.torch import load_file
+
+    from zero.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    assert zero.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint is (
+        get_fp32_state_dict_from_zero_checkpoint
+    )
+    engine, x, y = tied_engine(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    state = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    expected = zero.checkpoint.consolidate(str(ckpt))
+    assert state.keys() == expected.keys() >= {"head.weight", "frozen.weight", "scale"}
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    masters = {
+        n: zero.utils.safe_get_full_fp32_param(p)
+        for n, p in engine.module.named_parameters()
+        if p.requires_grad
+    }
+    for name, value in masters.items():
+        assert torch.equal(state[name], value), name
+    by_tag = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="global_step2")
+    assert all(torch.equal(by_tag[k], v) for k, v in state.items())
+    lean = get_fp32_state_dict_from_zero_checkpoint(ckpt, exclude_frozen_parameters=True)
+    assert set(state) - set(lean) == {"frozen.weight", "frozen.bias"}
+    # Into a plain model, checked before any write; the model computes the engine's loss.
+    model = TiedNet()
+    assert load_state_dict_from_zero_checkpoint(model, ckpt) is model
+    assert model.head.weight is model.embed.weight and torch.equal(
+        model.fc.weight, state["fc.weight"]
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, y), engine(x, y))
+    other = torch.nn.Linear(6, 6)
+    before = other.weight.clone()
+    with pytest.raises(zero.CheckpointError, match=r"missing \['bias', 'weight'\]; unexpected"):
+        load_state_dict_from_zero_checkpoint(other, ckpt)
+    assert torch.equal(other.weight, before)
+    with pytest.raises(ValueError, match="'embed.weight' is managed by zero"):
+        load_state_dict_from_zero_checkpoint(engine.module, ckpt)
+    # Files: one model.safetensors, or shards with model.safetensors.index.json.
+    zero_log.clear()
+    files = convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "out")
+    assert files == ["model.safetensors"] and "not pytorch_model.bin" in "".join(zero_log)
+    single = load_file(tmp_path / "out" / "model.safetensors")
+    assert single.keys() == state.keys()
+    assert all(torch.equal(single[k], v) for k, v in state.items())
+    zero_log.clear()
+    files = convert_zero_checkpoint_to_fp32_state_dict(
+        ckpt,
+        tmp_path / "sharded",
+        max_shard_size=200,
+        safe_serialization=True,
+        exclude_frozen_parameters=True,
+    )
+    assert zero_log == [] and files[-1] == "model.safetensors.index.json" and len(files) > 2
+    index = json.loads((tmp_path / "sharded" / files[-1]).read_text())
+    assert set(index["weight_map"]) == set(lean)
+    for name, file in index["weight_map"].items():
+        assert torch.equal(load_file(tmp_path / "sharded" / file)[name], lean[name]), name
+
+
+def test_version_logger_and_log_dist_without_a_group(monkeypatch):
+    import importlib.metadata
+    import re
+
+    with open(os.path.join(REPO, "setup.py")) as handle:
+        setup = handle.read()
+    assert zero.__version__ == re.search(r'version="([^"]+)"', setup).group(1)
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert zero._version() == zero.__version__  # from setup.py
+    assert "__version__" in zero.__all__
+    assert zero.utils.logger is logging.getLogger("zero")
+    assert log_dist_records(ranks_cases=False) == [("INFO", "[Rank -1] no group yet")]
+
+
+def log_dist_records(ranks_cases=True):
+    """The records log_dist sends to zero's logger (INFO and up), with a process group (a
+    call on each rank) or without one."""
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append((record.levelname, record.getMessage()))
+    level = zero.utils.logger.level
+    zero.utils.logger.addHandler(handler)
+    zero.utils.logger.setLevel(logging.INFO)
+    try:
+        if not ranks_cases:
+            zero.utils.log_dist("no group yet")  # no process group: every process logs
+            zero.utils.log_dist("debug", ranks=[-1], level=logging.DEBUG)  # below the level
+            return records
+        zero.init_distributed()
+        records.clear()  # its own message
+        zero.utils.log_dist("none")
+        zero.utils.log_dist("empty", ranks=[])
+        zero.utils.log_dist("all", ranks=[-1], level=logging.WARNING)
+        zero.utils.log_dist("first", ranks=[0])
+        zero.utils.log_dist("second", ranks=[1, 5])
+        return records
+    finally:
+        zero.utils.logger.removeHandler(handler)
+        zero.utils.logger.setLevel(level)
+
+
+def test_log_dist_logs_on_the_listed_ranks():
+    results = run_ranks(log_dist_records, 2)
+    assert results[0] == [("WARNING", "[Rank 0] all"), ("INFO", "[Rank 0] first")]
+    assert results[1] == [("WARNING", "[Rank 1] all"), ("INFO", "[Rank 1] second")]
+
+
+# ----- deepspeed.zero.register_external_parameter ---------------------------------------------
+class UsesSiblingWeight(torch.nn.Module):
+    """DeepSpeed's example: layer2's use of layer1.weight is registered on the parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer1 = torch.nn.Linear(5, 5)
+        self.layer2 = torch.nn.Linear(5, 1)
+        zero.zero.register_external_parameter(self, self.layer1.weight)
+
+    def forward(self, x):
+        h = torch.tanh(self.layer1(x))
+        return self.layer2(h @ self.layer1.weight).pow(2).mean()
+
+
+def external_parameter_at_stage3():
+    torch.manual_seed(0)
+    reference = UsesSiblingWeight()
+    cfg = small_config(gradient_clipping=0.0)
+    cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(model=UsesSiblingWeight(), config=cfg)
+    zero.zero.register_external_parameter(engine.module.layer2, engine.module.layer1.weight)
+    zero.zero.unregister_external_parameter(engine.module.layer2, engine.module.layer1.weight)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(4, 5, generator=g)  # 2 samples per rank
+        engine.backward(engine(x[2 * engine.rank : 2 * engine.rank + 2]))
+        engine.step()
+        reference(x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    full = {n: zero.utils.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+    return max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+
+
+def test_register_external_parameter_checks_and_stage3_gathers_anyway():
+    assert run_ranks(external_parameter_at_stage3, 2) == [pytest.approx(0, abs=1e-6)] * 2
+    model = UsesSiblingWeight()
+    register = zero.zero.register_external_parameter
+    unregister = zero.zero.unregister_external_parameter
+    register(model, model.layer2.bias)  # a parameter of a submodule
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module, not Parameter"):
+        register(model.layer1.weight, model.layer1.weight)
+    with pytest.raises(TypeError, match="parameter must be a torch.nn.Parameter, not Tensor"):
+        register(model, model.layer1.weight * 2)
+    with pytest.raises(ValueError, match=r"shape \(5, 5\) is not a parameter of Linear"):
+        register(model.layer2, model.layer1.weight)  # a sibling's, before zero.initialize
+    with pytest.raises(ValueError, match="not a parameter of UsesSiblingWeight"):
+        register(model, torch.nn.Parameter(torch.zeros(2)))
+    unregister(model, model.layer2.bias)
+    with pytest.raises(ValueError, match="is not registered on UsesSiblingWeight"):
+        unregister(model, model.layer2.bias)  # once only
+    with pytest.raises(TypeError, match="parameter must be a torch.nn.Parameter"):
+        unregister(model, None)
+    unregister(model, model.layer1.weight)  # registered by the constructor
+
+
+# ----- a DeepSpeed checkpoint directory -------------------------------------------------------
+def deepspeed_checkpoint(root, files=("mp_rank_00_model_states.pt",)):
+    tag = root / "global_step5"
+    tag.mkdir(parents=True)
+    (root / "latest").write_text("global_step5")
+    for name in files:
+        (tag / name).write_bytes(b"not a pickle zero may open")
+    return tag
+
+
+def test_deepspeed_checkpoint_is_named_with_the_migration_path(tmp_path, zero_log):
+    from zero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    optim = [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(5)]
+    tag = deepspeed_checkpoint(tmp_path / "ds", ["mp_rank_00_model_states.pt", *optim])
+    deepspeed_checkpoint(tmp_path / "ds3", ["zero_pp_rank_0_mp_rank_00_model_states.pt"])
+    engine, _ = sgd_engine()
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    messages = []
+    for load in (
+        lambda: engine.load_checkpoint(tmp_path / "ds"),
+        lambda: engine.load_checkpoint(tmp_path / "ds", tag="global_step5"),
+        lambda: engine.load_checkpoint(tmp_path / "ds3"),
+        lambda: get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ds"),
+        lambda: get_fp32_state_dict_from_zero_checkpoint(tag),  # the tag directory itself
+    ):
+        with pytest.raises(zero.CheckpointError) as caught:
+            load()
+        message = str(caught.value)
+        messages.append(message)
+        assert "is a DeepSpeed checkpoint (" in message, message
+        assert "never unpickles .pt files" in message and "zero_to_fp32.py" in message
+        assert "model.load_state_dict(...) before zero.initialize" in message
+    listed = "(bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt, bf16_zero_pp_rank_1_mp_rank_00"
+    assert listed in messages[0] and "states.pt and 3 more)" in messages[0], messages[0]
+    assert "(zero_pp_rank_0_mp_rank_00_model_states.pt)" in messages[2], messages[2]
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    assert engine.global_steps == 0
+    assert engine.load_checkpoint(tag) == (None, None)  # the tag directory passed as load_dir
+    assert "nothing was loaded" in zero_log[-1] and "holds a DeepSpeed checkpoint" in zero_log[-1]
+    with pytest.raises(zero.CheckpointError, match="meta.json does not exist: not a zero"):
+        engine.load_checkpoint(tmp_path / "ds", tag="other")  # no DeepSpeed files: as before
