@@ -1083,11 +1083,11 @@ def destroy_process_group(group=None) -> None:
     calls it when done. [Note: a clean exit] For the default group each live engine's agreement
     group checks first that every rank is ending (else RankMismatchError on every rank, naming
     what each was about to do), then a barrier, so no rank exits while peers still talk to it;
-    after torch's teardown the call sleeps 0.2 s
-    without the GIL, so that gloo's worker threads finish freeing the collectives' tensors
-    before the interpreter shuts down: a worker that frees a Python-owned tensor during shutdown
-    cannot take the GIL and aborts the finished process ("terminate called without an active
-    exception"; seen in about 1 run in 8 of a 2-rank script ending with barrier and destroy)."""
+    after torch's teardown the call sleeps 0.2 s without the GIL, so that gloo's worker threads
+    finish freeing the collectives' tensors before the interpreter shuts down: a worker that
+    frees a Python-owned tensor during shutdown cannot take the GIL and aborts the finished
+    process ("terminate called without an active exception"; seen in about 1 run in 8 of a
+    2-rank script ending with barrier and destroy)."""
     default = group is None and is_initialized()
     if default:
         # A rank still in an engine's collectives (one micro-batch more than this rank ran)

@@ -955,16 +955,18 @@ def _mark_leaf_names(model, zero_cfg) -> None:
     leaf = zero_cfg.leaf_module
     if leaf is None or zero_cfg.stage != 3:
         return
-    named = dict(model.named_modules())
-    for key, wanted in (("names", leaf.names), ("name_suffixes", leaf.name_suffixes)):
+    named = list(model.named_modules())
+    ways = (
+        ("names", leaf.names, str.__eq__, "named"),
+        ("name_suffixes", leaf.name_suffixes, str.endswith, "named with the suffix"),
+    )
+    for key, wanted, matches, said in ways:
         for text in wanted:
-            found = [
-                m for n, m in named.items() if (n == text if key == "names" else n.endswith(text))
-            ]
+            found = [m for n, m in named if matches(n, text)]
             if not found:
                 raise ValueError(
                     f"zero_optimization.leaf_module.{key}: no module of {type(model).__name__} "
-                    f"is named {'' if key == 'names' else 'with the suffix '}'{text}'"
+                    f"is {said} '{text}'"
                 )
             for module in found:
                 mark_leaf(module)

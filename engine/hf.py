@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from .checkpoint import CheckpointError, ConsolidatedReader, publish_directory
+from .errors import listed
 from .gathered import laid_out_buckets, owner
 from .init import is_partitioned, own_ops
 from .progress import progress
@@ -298,12 +299,6 @@ def _on_every_rank(comm, device, what: str, action):
     return result
 
 
-def _listed(keys: list, shown: int = 8) -> str:
-    """The first `shown` keys, and how many more: a model's worth of keys is not one line."""
-    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
-    return f"{keys[:shown]}{more}"
-
-
 def load_pretrained(model, path, strict: bool = True) -> LoadResult:
     """Load a Hugging Face safetensors checkpoint into `model`, one tensor at a time.
 
@@ -341,8 +336,8 @@ def load_pretrained(model, path, strict: bool = True) -> LoadResult:
         files = SafetensorsReader(path)
         pairs, missing, unexpected, problems = _match(module, _targets(module), files, places)
         if strict:
-            problems += [f"missing keys {_listed(missing)}"] * bool(missing)
-            problems += [f"unexpected keys {_listed(unexpected)}"] * bool(unexpected)
+            problems += [f"missing keys {listed(missing)}"] * bool(missing)
+            problems += [f"unexpected keys {listed(unexpected)}"] * bool(unexpected)
         if problems:
             hint = ""
             if strict and missing and unexpected:

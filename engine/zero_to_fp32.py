@@ -29,6 +29,7 @@ from .checkpoint import (
     consolidated_names,
     save_consolidated,
 )
+from .errors import listed
 from .hf import _non_persistent_buffers, checkpoint_to_pretrained
 from .progress import progress
 from .safetensors_io import ShardedWriter, parse_size
@@ -155,7 +156,7 @@ def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
         raise CheckpointError(
             f"{checkpoint_dir} does not fit {type(model).__name__}: "
             + "; ".join(
-                f"{what} {names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                f"{what} {listed(names)}"
                 for what, names in (("missing", missing), ("unexpected", unexpected))
                 if names
             )
