@@ -2,7 +2,7 @@ import os
 import sys
 from importlib.util import module_from_spec, spec_from_file_location
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.develop import develop
 
@@ -45,7 +45,13 @@ setup(
     version="0.1.0",
     description="Config-driven ZeRO distributed training engine for PyTorch",
     python_requires=">=3.10",
-    packages=["zero", "zero.launcher", "zero.ops"],
+    # engine/'s subpackages (zero.config, zero.comm, zero.partition, ...; docs/architecture.md)
+    packages=[
+        "zero",
+        *(f"zero.{name}" for name in find_packages("engine")),
+        "zero.launcher",
+        "zero.ops",
+    ],
     package_dir={"zero": "engine", "zero.launcher": "launcher", "zero.ops": "ops"},
     # The op sources compile on first use (JIT), so they ship with the package.
     package_data={"zero.ops": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"]},
@@ -82,8 +88,8 @@ setup(
         "console_scripts": [
             "zrun=zero.launcher:main",
             "zero-report=zero.ops.report:main",
-            "zero-to-fp32=zero.zero_to_fp32:main",
-            "zero-estimate=zero.estimator:main",
+            "zero-to-fp32=zero.checkpoint.zero_to_fp32:main",
+            "zero-estimate=zero.planning.estimator:main",
         ]
     },
     cmdclass={"build_py": BuildPyWithOps, "develop": DevelopWithOps},

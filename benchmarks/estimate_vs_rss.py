@@ -17,8 +17,8 @@ engine.memory_report() to check that term alone.
 
 Predicted: zero.estimator for the same config and model (built on the meta device, so layout and
 stage-3 units are exact), the activation shape of the micro-batch and cpu=True (gloo's collective
-copies, glibc's heap retention: engine/footprint.py [Note: CPU ranks]), plus the runtime: the
-peak RSS of a calibration run (a 1-layer, 32-wide GPT, micro-batch 1, whose tensors take well
+copies, glibc's heap retention: engine/planning/footprint.py [Note: CPU ranks]), plus the runtime:
+the peak RSS of a calibration run (a 1-layer, 32-wide GPT, micro-batch 1, whose tensors take well
 under 1 MiB) minus its own prediction, measured first in the same way. The runtime is the only
 measured input; everything else comes from the formulas.
 

@@ -97,7 +97,7 @@ def write_checkpoint(args, directory: str) -> int:
     """Random weights in HF's layout, one tensor at a time. Returns the number of parameters."""
     from transformers import AutoModelForCausalLM
 
-    from zero.safetensors_io import ShardedWriter
+    from zero.checkpoint.safetensors_io import ShardedWriter
 
     config = llama_config(args)
     with torch.device("meta"):

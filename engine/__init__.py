@@ -6,11 +6,14 @@ Names are imported on first use, so `zrun` (zero.launcher) starts without import
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 _EXPORTS = {
     "CheckpointError": "checkpoint",
-    "GatheredParameters": "gathered",
-    "Init": "init",
+    "GatheredParameters": "partition.gathered",
+    "Init": "partition.init",
     "RankMismatchError": "comm",
     "initialize": "api",
     "add_config_arguments": "api",
@@ -20,28 +23,57 @@ _EXPORTS = {
     "Config": "config",
     "ConfigError": "config",
     "load_config": "config",
-    "load_pretrained": "hf",
+    "load_pretrained": "checkpoint.hf",
 }
 
-# Submodules reachable as attributes: zero.checkpointing is engine/activation.py (DeepSpeed's
-# deepspeed.checkpointing); zero.mpu and zero.tensor_parallel are model parallelism (ZeRO-R).
+# Modules scripts and docs name as zero.X whose code lives in a subpackage: `from zero import mpu`
+# and `import zero.mpu` both give zero.model_parallel.mpu. zero.checkpointing is DeepSpeed's
+# deepspeed.checkpointing (activation checkpointing, ZeRO-R).
+_ALIASES = {
+    "checkpointing": "model_parallel.activation",
+    "mpu": "model_parallel.mpu",
+    "tensor_parallel": "model_parallel.tensor_parallel",
+    "lr_schedules": "optim.lr_schedules",
+    "init": "partition.init",
+    "hf": "checkpoint.hf",
+    "estimator": "planning.estimator",
+    "footprint": "planning.footprint",
+    "zero_to_fp32": "checkpoint.zero_to_fp32",
+}
+
+# Submodules reachable as attributes (imported on first use).
 _MODULES = {
-    "checkpointing": "activation",
-    "mpu": "mpu",
-    "tensor_parallel": "tensor_parallel",
-    "checkpoint": "checkpoint",
-    "config": "config",
-    "optim": "optim",
-    "lr_schedules": "lr_schedules",
-    "ops": "ops",
-    "init": "init",
-    "utils": "utils",
-    "hf": "hf",
-    "comm": "comm",
-    "zero": "zero",  # deepspeed.zero's names: zero.zero.Init, zero.zero.GatheredParameters
+    **_ALIASES,
+    **{name: name for name in ("checkpoint", "comm", "config", "ops", "optim", "utils", "zero")},
+    **{name: name for name in ("launcher", "model_parallel", "offload", "partition", "planning")},
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES, "__version__"])
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `zero.<alias>` (an _ALIASES key) as the module it names, so `import zero.mpu` and
+    `from zero.hf import ...` keep working; the module keeps its own name and spec."""
+
+    _own_specs: dict = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, name = fullname.rpartition(".")
+        if package != __name__ or name not in _ALIASES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        module = importlib.import_module(f"{__name__}.{_ALIASES[spec.name.rpartition('.')[2]]}")
+        self._own_specs[spec.name] = module.__spec__  # the import system then sets the alias's
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self._own_specs.pop(module.__spec__.name)
+
+
+if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
+    sys.meta_path.append(_AliasFinder())
 
 
 def _version() -> str:

@@ -14,7 +14,7 @@ from .accelerator import detect_accelerator
 from .comm import data_parallel_comm, init_process_group, read_launch_env
 from .config import load_config, settings_without_effect
 from .engine import Engine
-from .mpu import model_parallel_comm
+from .model_parallel.mpu import model_parallel_comm
 
 logger = logging.getLogger("zero")
 
@@ -194,7 +194,7 @@ def _launch_world_size(launch) -> int:
 def _configure_checkpointing(cfg, mpu) -> None:
     """Apply the config's activation_checkpointing block (zero.checkpointing.configure). A config
     without the block leaves an earlier configure() call by the user in force."""
-    from . import activation
+    from .model_parallel import activation
 
     if "activation_checkpointing" in cfg.model_fields_set or not activation.is_configured():
         activation.configure(mpu, deepspeed_config=cfg)

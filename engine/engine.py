@@ -23,11 +23,16 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import gathered, nvme, param_swap
 from .accelerator import Accelerator
 from .comm import Communicator, Intent
-from .flat import FlatLayout
-from .init import (
+from .monitor import StepMonitor, summary_writer_class
+from .offload import nvme, param_swap
+from .optim import build_optimizer, resolve_optimizer
+from .optim.lr_schedules import build_scheduler
+from .optim.precision import LossScaler
+from .partition import gathered
+from .partition.flat import FlatLayout
+from .partition.init import (
     full_numel,
     full_shape,
     guard_load_state_dict,
@@ -36,11 +41,7 @@ from .init import (
     refuse_meta,
     take_full,
 )
-from .lr_schedules import build_scheduler
-from .monitor import StepMonitor, summary_writer_class
-from .optim import build_optimizer, resolve_optimizer
-from .precision import LossScaler
-from .stage3 import (
+from .partition.stage3 import (
     FrozenShards,
     ParamGatherer,
     UnitState,
@@ -50,7 +51,7 @@ from .stage3 import (
     persistent_unit,
     unmanaged_parameter,
 )
-from .stages import ReduceSettings, ZeroOptimizer, check_optimizer
+from .partition.stages import ReduceSettings, ZeroOptimizer, check_optimizer
 
 logger = logging.getLogger("zero")
 
@@ -215,7 +216,7 @@ class Engine(torch.nn.Module):
         self.skipped_steps = 0
         self._step_applied = False
         self._cast_rest(config.compute_dtype)
-        # ----- observability (engine/monitor.py, engine/memory.py; docs/observability.md) -----
+        # ----- observability (engine/monitor.py, planning/memory.py; docs/observability.md) -----
         # Construction traffic (broadcast of rank 0's weights, the stage-3 persistent unit's
         # first all-gather) is no step's.
         comm.ledger.end_step()
@@ -228,7 +229,7 @@ class Engine(torch.nn.Module):
 
     # ----- construction -------------------------------------------------------------------
     def _fetch_units(self):
-        """Stage 3: the fetch units (engine/stage3.py) and id(param) -> unit; else none."""
+        """Stage 3: the fetch units (partition/stage3.py) and id(param) -> unit; else none."""
         zero_cfg = self.config.zero
         if zero_cfg.stage != 3:
             return [], None
@@ -249,7 +250,8 @@ class Engine(torch.nn.Module):
         replicated parameter once (zero.mpu, [Note: gradient norm with model parallelism])."""
         if mpu is None:
             return None
-        from .mpu import ModelParallelNorm, model_parallel_comm, partitioned_parameter_names
+        from .model_parallel.mpu import ModelParallelNorm, model_parallel_comm
+        from .model_parallel.tensor_parallel import partitioned_parameter_names
 
         mp_comm = model_parallel_comm(mpu)
         if mp_comm.world_size == 1:
@@ -451,7 +453,7 @@ class Engine(torch.nn.Module):
         self.monitor.record_loss(loss)
         # Stage 3: a reentrant activation-checkpoint recomputation runs its forward inside this
         # backward; zero's saved-tensor hooks make it save gathered weights by reference too
-        # ([Note: saved weights] in engine/stage3.py).
+        # ([Note: saved weights] in engine/partition/stage3.py).
         saved = self.gatherer.saved_weights() if self.gatherer else contextlib.nullcontext()
         with self.monitor.timer("backward"), saved:
             try:
@@ -641,7 +643,7 @@ class Engine(torch.nn.Module):
         parameters and floating-point buffers are cast likewise. A tied parameter is saved once,
         under its first name (transformers drops lm_head.weight and ties it again on load).
         At any stage; stage 3 all-gathers one bucket at a time and rank 0 streams it to disk, so
-        no rank holds the whole model (engine/hf.py, [Note: export]). Atomic: rank 0 writes
+        no rank holds the whole model (checkpoint/hf.py, [Note: export]). Atomic: rank 0 writes
         `save_dir.tmp` and renames it to save_dir; other files already in save_dir (a tokenizer)
         are kept, earlier weights replaced.
 
@@ -649,11 +651,11 @@ class Engine(torch.nn.Module):
         for a bad max_shard_size or dtype, NotImplementedError with tensor parallelism; a write
         error on rank 0 is raised there and as CheckpointError on the other ranks.
         """
-        from . import hf
+        from .checkpoint import hf
 
         return hf.save_pretrained(self, save_dir, max_shard_size, dtype)
 
-    # ----- checkpoints (engine/checkpoint.py) --------------------------------------------
+    # ----- checkpoints (engine/checkpoint/) --------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
         """Write a sharded checkpoint to save_dir/tag (default tag: global_step{N}).
 
@@ -803,9 +805,9 @@ class Engine(torch.nn.Module):
 
     def memory_report(self) -> dict:
         """Bytes this rank holds per model-state category, measured from zero's tensors, next
-        to the formula for the configured stage (engine/memory.py). Not a collective; optimizer
+        to the formula for the configured stage (planning/memory.py). Not a collective; optimizer
         state exists only after the first optimizer step."""
-        from .memory import memory_report
+        from .planning.memory import memory_report
 
         return memory_report(self)
 

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from .estimator import comm_psi
+from .planning.estimator import comm_psi
 
 logger = logging.getLogger("zero")
 
@@ -272,7 +272,7 @@ class StepMonitor:
             )
             logger.info(text)
         if self.config.memory_breakdown and not self._memory_reported:
-            from .memory import format_report
+            from .planning.memory import format_report
 
             self._memory_reported = True
             logger.info(format_report(engine.memory_report()))

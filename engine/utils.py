@@ -18,7 +18,7 @@ all-gather at stages 1-3) or this rank's owned part (`safe_get_local_*`, `safe_s
 
 [Note: where a parameter's state lives]
 A trained parameter has a slot (offset, numel, shape) in one bucket of zero's flat buffers
-(engine/flat.py); rank r owns the slice `layout.owned_range(r)` of every bucket (stage 0: all of
+(partition/flat.py); rank r owns the slice `layout.owned_range(r)` of every bucket (stage 0: all of
 it). The bucket's `master` (fp32), `grad_shard` (the sum over ranks of loss-scaled gradients, in
 data_types.grad_accum_dtype; the getters return fp32) and the optimizer state of `master` are shaped
 like that owned slice, so one helper serves every full getter: all-gather the bucket-shaped shard
@@ -34,11 +34,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import gathered, zero_to_fp32
-from .stage3 import _LEAF_MODULES, is_leaf
+from .checkpoint import zero_to_fp32
+from .partition import gathered
+from .partition.stage3 import _LEAF_MODULES, is_leaf
 
 # `from zero.utils.zero_to_fp32 import ...` (DeepSpeed: deepspeed.utils.zero_to_fp32) finds the
-# module engine/zero_to_fp32.py, as `import os.path` finds posixpath: zero.utils is one module,
+# module checkpoint/zero_to_fp32.py, as `import os.path` finds posixpath: zero.utils is one module,
 # so the submodule name is registered here, and the import system looks it up in sys.modules.
 sys.modules[f"{__name__}.zero_to_fp32"] = zero_to_fp32
 

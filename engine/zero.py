@@ -7,7 +7,7 @@ objects as zero.Init and zero.GatheredParameters.
 DeepSpeed's stage 3 gathers a module's parameters around that module's forward only, so a
 parameter used in another module's forward (a tied lm_head weight, `h @ embed.weight.T` in a
 parent) must be registered on the module that uses it. zero's stage 3 needs no registration:
-while the model's forward runs, UsageGuard (engine/stage3.py) sees every op that uses a
+while the model's forward runs, UsageGuard (engine/partition/stage3.py) sees every op that uses a
 released parameter, gathers its fetch unit there and keeps it until the end of backward. So
 register_external_parameter only checks its arguments (a script's mistake stays visible) and
 remembers the pair, so unregister_external_parameter can be checked as DeepSpeed checks it.
@@ -17,9 +17,9 @@ import weakref
 
 import torch
 
-from . import gathered
-from .gathered import GatheredParameters
-from .init import Init
+from .partition import gathered
+from .partition.gathered import GatheredParameters
+from .partition.init import Init
 
 __all__ = [
     "GatheredParameters",

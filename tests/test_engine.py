@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zero
-from zero.precision import LossScaler
+from zero.optim.precision import LossScaler
 
 
 class Tiny(torch.nn.Module):

@@ -1,0 +1,267 @@
+"""Hugging Face's safetensors checkpoint layout, read in parts and written as a stream.
+
+A checkpoint is one `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` with
+`model.safetensors.index.json` ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}).
+
+SafetensorsReader reads any range of elements of one tensor through safetensors' own
+safe_open/get_slice (the row range that covers it), counting the bytes it reads.
+
+ShardedWriter writes the format itself (the safetensors package writes whole dicts only): an
+8-byte little-endian header length, a JSON header {name: {"dtype", "shape", "data_offsets"}} with
+"__metadata__" {"format": "pt"} padded with spaces to a multiple of 8 bytes, then every tensor's
+bytes in header order. The entries (name, shape, dtype) are fixed up front, so each file's header
+is written when the file is opened and the values follow one at a time: the writer holds no
+tensor. The files are checked by safetensors' reader in tests/test_hf_pretrained.py.
+"""
+
+import json
+import math
+import os
+import re
+import struct
+import sys
+
+import torch
+from safetensors import safe_open
+
+from .core import SAFETENSORS_DTYPES, CheckpointError
+
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10**9 bytes; plain integers are bytes. Raises ValueError naming the value."""
+    value = text.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if value.endswith(unit):
+            number = value[: -len(unit)].strip()
+            try:
+                return int(float(number) * _UNITS[unit])
+            except ValueError:
+                break
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"--max_shard_size {text!r}: expected bytes such as 500MB or 2GB"
+        ) from None
+
+
+def is_weights_file(name: str) -> bool:
+    """A file name of the weights of an HF safetensors checkpoint (single, shard or index)."""
+    return name == INDEX_FILE or _SHARD.fullmatch(name) is not None
+
+
+class SafetensorsReader:
+    """The tensors of an HF safetensors checkpoint: a directory with model.safetensors or
+    model.safetensors.index.json and its shards, a .safetensors file, or an index file.
+
+    Every file's header is read when constructed (names and shapes) and every name the index
+    lists is checked; read() then maps the files it reads from (safe_open maps a whole file,
+    copy-on-write: close() unmaps them, so a caller that reads file by file keeps one mapped).
+    `keys`: the tensor names; `file_of`: name -> file. Raises CheckpointError naming the file
+    and the key.
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self._handles: dict[str, object] = {}
+        self._shapes: dict[str, dict] = {}  # file -> {name: shape}
+        self.file_of = self._weight_map()
+        self.keys = list(self.file_of)
+        self.bytes_read = 0  # bytes read by read() so far
+        self.largest_read = 0  # bytes of the largest single read
+
+    def _weight_map(self) -> dict[str, str]:
+        path = self.path
+        if os.path.isdir(path):
+            index, single = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
+            if os.path.isfile(index):
+                return self._read_index(index)
+            if os.path.isfile(single):
+                return dict.fromkeys(sorted(self._header(single)), single)
+            raise CheckpointError(
+                f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}: zero reads Hugging Face "
+                "safetensors checkpoints (not pytorch_model.bin); save_pretrained writes them"
+            )
+        if path.endswith(".json"):
+            return self._read_index(path)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} does not exist")
+        return dict.fromkeys(sorted(self._header(path)), path)
+
+    def _read_index(self, index: str) -> dict[str, str]:
+        try:
+            with open(index) as handle:
+                weight_map = json.load(handle)["weight_map"]
+            files = {str(k): os.path.join(os.path.dirname(index), v) for k, v in weight_map.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"{index}: not a safetensors index ({error})") from None
+        for key, file in files.items():
+            if key not in self._header(file):
+                raise CheckpointError(f"{file}: tensor '{key}' that {index} lists is missing")
+        return files
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{file} is missing")
+            try:
+                self._handles[file] = safe_open(file, framework="pt")
+            except Exception as error:
+                message = f"{file}: not a readable safetensors file ({error})"
+                raise CheckpointError(message) from None
+        return self._handles[file]
+
+    def _header(self, file: str) -> dict:
+        """{name: shape} of a file (mapped only while read here)."""
+        if file not in self._shapes:
+            handle = self._handle(file)
+            self._shapes[file] = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+            handle.__exit__(None, None, None)
+            del self._handles[file]
+        return self._shapes[file]
+
+    def shape(self, key: str) -> tuple:
+        return self._header(self.file_of[key])[key]
+
+    def read(self, key: str, begin: int, end: int) -> torch.Tensor:
+        """Elements [begin, end) of the flattened tensor `key`: (end - begin,) in the file's
+        dtype, on the host. Reads the rows of dimension 0 that hold them."""
+        handle = self._handle(self.file_of[key])
+        piece = handle.get_slice(key)
+        shape = piece.get_shape()
+        numel = math.prod(shape)
+        if not shape or (begin == 0 and end == numel):
+            value = handle.get_tensor(key).reshape(-1)
+        else:
+            row = numel // shape[0]
+            first, last = begin // row, -(-end // row)
+            value = piece[first:last].reshape(-1)
+            begin, end = begin - first * row, end - first * row
+        size = value.numel() * value.element_size()
+        self.bytes_read += size
+        self.largest_read = max(self.largest_read, size)
+        return value[begin:end]
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+
+class ShardedWriter:
+    """Writes tensors, in the order of `entries` ([(name, shape, dtype)]), into HF-style
+    safetensors files of at most `max_shard_bytes` each (a larger tensor gets a file of its own):
+    model.safetensors when one file holds everything, else model-0000i-of-0000n.safetensors and
+    model.safetensors.index.json, in `directory`.
+
+    write(name, value) takes the next entry's value (any device; cast to the entry's dtype);
+    close() finishes and returns the file names written. Raises ValueError for a value out of
+    order or of the wrong shape, NotImplementedError for a dtype safetensors has no name for.
+    """
+
+    def __init__(self, directory: str, entries: list, max_shard_bytes: int):
+        if sys.byteorder != "little":
+            raise NotImplementedError("writing safetensors on a big-endian host")
+        for name, _, dtype in entries:
+            if dtype not in SAFETENSORS_DTYPES:
+                raise NotImplementedError(f"'{name}': dtype {dtype} cannot be saved as safetensors")
+        self.directory = directory
+        self.groups = _split(entries, max_shard_bytes)
+        n = len(self.groups)
+        self.names = [SINGLE_FILE] if n == 1 else [_shard_name(i, n) for i in range(n)]
+        self._queue = [(i, e) for i, group in enumerate(self.groups) for e in group]
+        self._next = 0
+        self._open_index = -1
+        self._handle = None
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        if self._next >= len(self._queue) or self._queue[self._next][1][0] != name:
+            expected = self._queue[self._next][1][0] if self._next < len(self._queue) else None
+            raise ValueError(f"ShardedWriter: got '{name}', expected '{expected}'")
+        index, (_, shape, dtype) = self._queue[self._next]
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"'{name}' has shape {tuple(value.shape)}, expected {tuple(shape)}")
+        self._open_until(index)
+        data = value.detach().to("cpu", dtype).contiguous().reshape(-1)
+        if data.numel():
+            self._handle.write(data.view(torch.uint8).numpy().data)
+        self._next += 1
+
+    def close(self) -> list[str]:
+        if self._next != len(self._queue):
+            raise ValueError(f"ShardedWriter: {len(self._queue) - self._next} tensors not written")
+        self._open_until(len(self.groups) - 1)
+        self._close_file()
+        if len(self.groups) > 1:
+            weight_map = {e[0]: self.names[i] for i, group in enumerate(self.groups) for e in group}
+            total = sum(_nbytes(e) for group in self.groups for e in group)
+            weight_map = dict(sorted(weight_map.items()))
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            path = os.path.join(self.directory, INDEX_FILE)
+            with open(path, "w") as handle:
+                json.dump(index, handle, indent=2)
+                handle.flush()
+                os.fsync(handle.fileno())
+            return [*self.names, INDEX_FILE]
+        return list(self.names)
+
+    def _open_until(self, index: int) -> None:
+        """Finish the open file and open (header written) the files up to `index`."""
+        while self._open_index < index:
+            self._close_file()
+            self._open_index += 1
+            path = os.path.join(self.directory, self.names[self._open_index])
+            self._handle = open(path, "wb")  # noqa: SIM115 (open across write() calls)
+            self._handle.write(_header(self.groups[self._open_index]))
+
+    def _close_file(self) -> None:
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            self._handle = None
+
+
+def _nbytes(entry) -> int:
+    _, shape, dtype = entry
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _split(entries: list, max_bytes: int) -> list[list]:
+    """Consecutive groups of at most max_bytes (a larger entry alone); at least one group."""
+    groups, size = [[]], 0
+    for entry in entries:
+        nbytes = _nbytes(entry)
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += nbytes
+    return groups
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _header(entries: list) -> bytes:
+    header = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        name, shape, dtype = entry
+        end = offset + _nbytes(entry)
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw

@@ -1,0 +1,8 @@
+"""zero.partition: the ZeRO-DP core, partitioning of model states over data-parallel ranks.
+
+Owns: the flat layout of parameters in padded buckets (flat.py), the stage 0-2 optimizer wrapper
+that reduce-scatters gradients and all-gathers parameters (stages.py), stage 3's fetch units
+(stage3.py), zero.Init, which partitions while a model is built (init.py), and
+GatheredParameters (gathered.py). shared.py holds what stages 0-2 and stage 3 both use.
+May import: zero.offload and everything below it.
+"""
