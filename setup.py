@@ -76,6 +76,8 @@ setup(
             "pytest>=8",
             "pytest-timeout>=2.3",
             "ruff==0.17.6",
+            # lint-imports: the layers of engine/ (.importlinter, docs/architecture.md)
+            "import-linter==2.17",
             "transformers>=4.46",
             "peft>=0.13",
             "accelerate>=1.0",

@@ -71,6 +71,12 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         module.__spec__ = self._own_specs.pop(module.__spec__.name)
 
+    def get_code(self, fullname):
+        """`python -m zero.<alias>` runs the module it names as __main__."""
+        target = f"{__name__}.{_ALIASES[fullname.rpartition('.')[2]]}"
+        source = f"import runpy\nrunpy.run_module({target!r}, run_name='__main__', alter_sys=True)"
+        return compile(source, f"<zero alias {fullname}>", "exec")
+
 
 if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
     sys.meta_path.append(_AliasFinder())

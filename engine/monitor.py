@@ -7,8 +7,8 @@ nothing here issues a collective.
 [Note: step-time breakdown]
 With wall_clock_breakdown the step time is split into forward, backward, reduce, all_gather and
 optimizer. The engine times forward, backward and step ("optimizer"); the communicator measures,
-per collective, how long the caller waited for it (comm.py CommLedger.waited). Whatever a timed
-phase waited for gradient reductions (reduce-scatter, all-reduce) moves to `reduce`, and for
+per collective, how long the caller waited for it (comm/ledger.py CommLedger.waited). Whatever a
+timed phase waited for gradient reductions (reduce-scatter, all-reduce) moves to `reduce`, and for
 parameter all-gathers to `all_gather`, so the five add up to the timed wall time and the
 communication shown is what did not overlap compute. Waiting needs the communicator:
 attach(comm) binds it (the first on_step does it when the engine has not).

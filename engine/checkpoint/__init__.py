@@ -2,27 +2,28 @@
 
 Owns: zero's checkpoint format (meta.json + safetensors shards per rank), the atomic writer, the
 verifying reader (every rank checks before any state changes), consolidation into one fp32
-state dict (`zero-to-fp32`), and Hugging Face save_pretrained directories (hf.py: load into a
-partitioned model, export from one).
+state dict (`zero-to-fp32`), and Hugging Face save_pretrained directories. One module each,
+lower ones first (a module imports only those above it in this list):
+    format.py          file names, CheckpointError, tags, the meta.json schema, dtype tables
+    ownership.py       which engine tensors go to which file; ranges in group coordinates
+    files.py           creating, fsyncing, checksumming and publishing files; stale leftovers
+    agreement.py       every rank agrees on each step that may fail on one rank
+    validation.py      checks before a load changes state; DeepSpeed checkpoint detection
+    reader.py          resolve, read_meta, GroupReader, load
+    writer.py          save
+    consolidation.py   ConsolidatedReader, consolidate, save_consolidated
+    safetensors_io.py  Hugging Face's safetensors layout, read in parts and written as a stream
+    hf.py              load into a partitioned model, export from one (save_pretrained)
+    zero_to_fp32.py    the zero-to-fp32 CLI and DeepSpeed's zero_to_fp32 functions
 May import: zero.partition and everything below it.
 """
 
-from .core import (
-    LATEST,
-    SAFETENSORS_DTYPES,
-    CheckpointError,
-    ConsolidatedReader,
-    consolidate,
-    consolidated_names,
-    deepspeed_checkpoint_files,
-    deepspeed_checkpoint_message,
-    file_crc32,
-    load,
-    publish_directory,
-    save,
-    save_consolidated,
-    verify_checksums,
-)
+from .consolidation import ConsolidatedReader, consolidate, consolidated_names, save_consolidated
+from .files import file_crc32, publish_directory
+from .format import LATEST, SAFETENSORS_DTYPES, CheckpointError
+from .reader import load
+from .validation import deepspeed_checkpoint_files, deepspeed_checkpoint_message, verify_checksums
+from .writer import save
 
 __all__ = [
     "LATEST",

@@ -49,7 +49,9 @@ from ..partition.init import is_partitioned, own_ops
 from ..partition.stage3 import UnitState
 from ..partition.stages import ZeroOptimizer
 from ..progress import progress
-from .core import CheckpointError, ConsolidatedReader, publish_directory
+from .consolidation import ConsolidatedReader
+from .files import publish_directory
+from .format import CheckpointError
 from .safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,

@@ -24,7 +24,7 @@ import sys
 import torch
 from safetensors import safe_open
 
-from .core import SAFETENSORS_DTYPES, CheckpointError
+from .format import SAFETENSORS_DTYPES, CheckpointError
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")

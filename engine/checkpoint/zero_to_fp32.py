@@ -24,13 +24,13 @@ import sys
 
 from ..errors import listed
 from ..progress import progress
-from .core import (
-    CheckpointError,
+from .consolidation import (
     ConsolidatedReader,
     consolidate,
     consolidated_names,
     save_consolidated,
 )
+from .format import CheckpointError
 from .hf import _non_persistent_buffers, checkpoint_to_pretrained
 from .safetensors_io import ShardedWriter, parse_size
 

@@ -1,22 +1,32 @@
 """zero.comm: every collective zero issues, and DeepSpeed's deepspeed.comm for scripts.
 
-Owns: the Communicator (the only caller of torch.distributed collectives) and its ledger of
-elements and bytes, the exchange watcher that bounds a wait, cross-rank agreement checks
-(RankMismatchError), process groups, and the launch environment (RANK, WORLD_SIZE, ...).
-`from zero import comm as dist` gives a script DeepSpeed's names (get_rank, all_reduce, ...).
+Owns, one module each, lowest first (a module imports only modules listed above it):
+    ledger.py        OpTotals, CommLedger: calls, elements and bytes per collective, per step
+    watcher.py       the thread that waits for gloo's asynchronous reduce-scatters
+    groups.py        process groups zero makes (OwnGroup, side groups, new_group)
+    launch.py        the launch environment (RANK, WORLD_SIZE, ...) and the default group
+    agreement.py     cross-rank agreement checks (Intent, Agreement, RankMismatchError)
+    communicator.py  Communicator, the only caller of torch.distributed collectives for the
+                     engine, and Handle, the pair of an asynchronous collective
+    deepspeed.py     DeepSpeed's names for scripts: `from zero import comm as dist` (get_rank,
+                     all_reduce, ..., destroy_process_group, init_distributed), not counted
 May import: zero.config, zero.errors, zero.accelerator, zero.launcher.nodelist.
 """
 
-from .communicator import (
+from .agreement import (
     Agreement,
-    CommLedger,
-    Communicator,
-    Handle,
     Intent,
-    LaunchEnv,
-    OpTotals,
     PendingCheck,
     RankMismatchError,
+    describe_intent,
+)
+from .communicator import (
+    Communicator,
+    Handle,
+    data_parallel_comm,
+    wait_blocks_host,
+)
+from .deepspeed import (
     ReduceOp,
     all_gather,
     all_gather_into_tensor,
@@ -26,8 +36,6 @@ from .communicator import (
     barrier,
     broadcast,
     broadcast_object_list,
-    data_parallel_comm,
-    describe_intent,
     destroy_process_group,
     gather,
     get_backend,
@@ -36,19 +44,27 @@ from .communicator import (
     get_rank,
     get_world_size,
     init_distributed,
-    init_process_group,
     is_available,
     is_initialized,
     monitored_barrier,
-    new_group,
-    read_launch_env,
     recv,
     reduce,
     reduce_scatter,
     reduce_scatter_tensor,
     scatter,
     send,
-    wait_blocks_host,
+)
+from .groups import (
+    new_group,
+)
+from .launch import (
+    LaunchEnv,
+    init_process_group,
+    read_launch_env,
+)
+from .ledger import (
+    CommLedger,
+    OpTotals,
 )
 
 __all__ = [

@@ -4,17 +4,22 @@ Owns: the pydantic schema (one model per block, every field described, unknown k
 "did you mean" hint), the file loaders (JSON, hjson, YAML), DeepSpeed's deprecated and
 unsupported keys, and the resolution of "auto" values and the batch-size triple.
 May import: zero.errors only (and torch, pydantic, hjson, PyYAML).
+
+Modules, lowest first (each imports only modules above it in this list):
+  values.py             value types of fields (element / byte counts, dtypes, ...) and _Block
+  errors.py             ConfigError, how values are shown, pydantic errors described as messages
+  zero_optimization.py  the zero_optimization block (ZeroConfig, offload, leaf modules, ZeRO++)
+  schema.py             every other block, and Config
+  parse.py              reading files and mappings: JSON / hjson / YAML, the checking walk
+  deepspeed_keys.py     DeepSpeed's deprecated names, unsupported blocks and their warnings
+  auto.py               "auto" values and the batch-size triple
+  load.py               load_config (runs the steps in order) and settings_without_effect
 """
 
-from .schema import (
-    ActivationCheckpointingConfig,
-    AioConfig,
-    Config,
-    ConfigError,
-    ZeroConfig,
-    load_config,
-    settings_without_effect,
-)
+from .errors import ConfigError
+from .load import load_config, settings_without_effect
+from .schema import ActivationCheckpointingConfig, AioConfig, Config
+from .zero_optimization import ZeroConfig
 
 __all__ = [
     "ActivationCheckpointingConfig",

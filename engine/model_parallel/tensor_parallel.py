@@ -12,7 +12,7 @@ input gradients of all ranks (each rank saw only its output slice) -> copy_to_re
 row-parallel layer produces partial sums: forward all-reduces them, backward passes the
 (replicated) gradient through -> reduce_from_region. gather_from_region / scatter_to_region move
 between a last-dimension slice and the full tensor, each the other's backward. All communication
-goes through zero's Communicator (comm.py), so the model-parallel traffic is counted.
+goes through zero's Communicator (comm/communicator.py), so the model-parallel traffic is counted.
 
 [Note: full-size initialization and loading]
 A parallel layer initializes the FULL weight with the default generator and keeps its slice, so

@@ -23,7 +23,7 @@ units is a bucket that backward completes as it passes: buckets are reduced in l
 and the persistent unit as one bucket would complete only at the end of backward (the first
 layer's norm), holding back every other reduce-scatter, and the gradient staging, until then.
 Checkpoints record each group's order and load into any other ([Note: world-size independent
-coordinates] in engine/checkpoint/).
+coordinates] in engine/checkpoint/ownership.py).
 
 The layout is pure bookkeeping (no tensors), so checkpoints and tests can reason about it alone.
 Shapes are full shapes, also for parameters that zero.Init holds partitioned.

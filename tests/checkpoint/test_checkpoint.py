@@ -312,9 +312,9 @@ def kill_during_save(root):
             os._exit(9)
 
         safetensors.torch.save_file = crash
-        import zero.checkpoint as ckpt
+        import zero.checkpoint.files as checkpoint_files
 
-        ckpt.save_file = crash
+        checkpoint_files.save_file = crash
     engine.save_checkpoint(root, tag="B")
     return "saved B"
 

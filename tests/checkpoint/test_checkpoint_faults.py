@@ -24,6 +24,7 @@ from test_checkpoint import global_batches, make_engine, train
 
 import zero.checkpoint as ckpt
 from zero.checkpoint import CheckpointError, file_crc32
+from zero.checkpoint import files as checkpoint_files
 
 
 # ----- helpers that damage a checkpoint -------------------------------------------------------
@@ -282,7 +283,7 @@ FS_OPERATIONS = [
     (os, "fsync"),
     (os, "fchmod"),
     (shutil, "rmtree"),
-    (ckpt, "save_file"),
+    (checkpoint_files, "save_file"),
 ]
 
 
@@ -442,8 +443,8 @@ def one_rank_fails(root):
         dist.barrier()
         out[name + " files"] = sorted(os.listdir(root)), Path(root, "latest").read_text()
 
-    save_with("rank 0 writes", 0, ckpt, "save_file")
-    save_with("rank 1 writes", 1, ckpt, "save_file")
+    save_with("rank 0 writes", 0, checkpoint_files, "save_file")
+    save_with("rank 1 writes", 1, checkpoint_files, "save_file")
     save_with("rank 0 publishes", 0, os, "replace")
     save_with("rank 0 prepares", 0, os, "mkdir")
     for name, tag in (

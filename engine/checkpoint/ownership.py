@@ -1,0 +1,64 @@
+"""Which of an engine's tensors a checkpoint holds, and in which file.
+
+Owns: the ranges of each param group a rank owns and writes to its rank file, in group
+coordinates (owned_ranges), and the tensors ZeRO lays out (their values live in the rank files)
+as opposed to the rest (frozen and empty parameters, buffers), which module.safetensors holds.
+
+[Note: world-size independent coordinates]
+Within a param group the flat layout packs parameters in a fixed order; buckets only cut that
+sequence and add padding. Ranges are therefore recorded in "group coordinates": the offset of an
+element in the unpadded concatenation of the group's parameters. These coordinates do not depend
+on the world size or the bucket size, so a rank of a new run computes the ranges it owns, and
+reads exactly those elements from whichever old rank files hold them (safetensors slices).
+"""
+
+
+def owned_ranges(buckets, shard: int) -> dict[int, list[tuple[int, int, "object"]]]:
+    """Per param group, [(begin, end, bucket)] in group coordinates that `shard` owns (padding
+    excluded), in layout order."""
+    out: dict[int, list] = {}
+    group_start: dict[int, int] = {}
+    for bucket in buckets:
+        layout = bucket.layout
+        start = group_start.get(layout.group, 0)
+        lo, hi = layout.owned_range(shard)
+        hi = min(hi, layout.numel)
+        if hi > lo:
+            out.setdefault(layout.group, []).append((start + lo, start + hi, bucket))
+        group_start[layout.group] = start + layout.numel
+    return out
+
+
+def _written_shard(layout, rank: int) -> int | None:
+    """The shard a rank writes, or None when it writes nothing (stage 0: only rank 0 writes)."""
+    shard = layout.shard_of(rank)
+    return shard if layout.num_shards > 1 or rank == 0 else None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _group_buckets(engine, group: int):
+    return [b for b in engine.optimizer.buckets if b.layout.group == group]
+
+
+def _group_slots(engine) -> list[list]:
+    """Per param group, the trained parameters' layout Slots in the engine's layout order."""
+    return [
+        [s for b in _group_buckets(engine, g) for s in b.layout.slots]
+        for g in range(engine.optimizer.layout.num_groups)
+    ]
+
+
+def _laid_out_ids(engine) -> set[int]:
+    """ids of the parameters ZeRO partitions (their values live in the rank files)."""
+    return {id(p) for b in engine.optimizer.buckets for p in b.params}
+
+
+def _module_tensors(module):
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)

@@ -1,0 +1,409 @@
+"""Reading a checkpoint back into an engine of any world size.
+
+Owns: finding the checkpoint directory (`latest`, or an interrupted save's `<tag>.old`), reading
+meta.json against its schema, GroupReader (any range of a param group, from the rank files that
+hold it), and load: _verify checks on every rank everything this rank will read or apply
+(validation.py; the ranks agree through agreement.py), then the values are read straight into
+the engine and the training state is applied.
+"""
+
+import json
+import logging
+import os
+import random
+
+import torch
+from pydantic import ValidationError
+from safetensors import safe_open
+
+from ..progress import progress
+from .agreement import _on_every_rank
+from .format import (
+    FORMAT,
+    LATEST,
+    META,
+    MODULE_FILE,
+    CheckpointError,
+    _as_tuple,
+    _check_tag,
+    _dtype,
+    _dtype_fits,
+    _Meta,
+    _schema_error,
+    optimizer_name,
+    rank_file,
+)
+from .ownership import _group_slots, _laid_out_ids, _module_tensors, _numel, owned_ranges
+from .validation import (
+    _differences,
+    _layout_problems,
+    _training_state_problems,
+    deepspeed_checkpoint_files,
+    deepspeed_checkpoint_message,
+    verify_checksums,
+)
+
+logger = logging.getLogger("zero")
+
+
+def resolve(load_dir: str, tag: str | None) -> str:
+    """The checkpoint directory for `tag`, or the one `latest` names. Raises CheckpointError."""
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            deepspeed = deepspeed_checkpoint_files(load_dir)
+            if deepspeed:
+                raise CheckpointError(deepspeed_checkpoint_message(load_dir, deepspeed))
+            raise CheckpointError(f"{latest} does not exist; pass tag= or save with save_latest")
+        try:
+            with open(latest, "rb") as handle:
+                tag = handle.read().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{latest}: unreadable ({error})") from None
+    _check_tag(tag)
+    path = os.path.join(load_dir, tag)
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    old = path + ".old"
+    if not os.path.lexists(path) and os.path.isfile(os.path.join(old, META)):
+        # [Note: crash-safe publication] in files.py: a save of this tag stopped between its
+        # two renames.
+        logger.warning(
+            "%s is missing and %s holds its previous version (a save of this tag was "
+            "interrupted); loading that",
+            path,
+            old,
+        )
+        return old
+    deepspeed = deepspeed_checkpoint_files(path)
+    if deepspeed:
+        raise CheckpointError(deepspeed_checkpoint_message(path, deepspeed))
+    raise CheckpointError(f"{os.path.join(path, META)} does not exist: not a zero checkpoint")
+
+
+def read_meta(path: str) -> dict:
+    """Read meta.json, check it against the schema ([Note: meta.json schema] in format.py), and
+    check the presence and size of every file it lists. Raises CheckpointError naming the file
+    and key."""
+    meta_path = os.path.join(path, META)
+    try:
+        with open(meta_path, "rb") as handle:
+            text = handle.read().decode("utf-8")
+        meta = json.loads(text, parse_constant=_refuse_constant)
+    except (OSError, ValueError, RecursionError) as error:  # JSON, UTF-8, NaN, depth
+        raise CheckpointError(f"{meta_path}: unreadable ({error})") from None
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {found!r}, expected {FORMAT!r}")
+    try:
+        _Meta.model_validate_json(text)
+    except ValidationError as error:
+        raise _schema_error(meta_path, error) from None
+    for name, size in meta["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file} is missing from the checkpoint")
+        if os.path.getsize(file) != size:
+            raise CheckpointError(
+                f"{file} has {os.path.getsize(file)} bytes, the checkpoint recorded {size} "
+                "(truncated or replaced)"
+            )
+    return meta
+
+
+def _refuse_constant(name: str):
+    """json.loads' hook for NaN and Infinity, which zero never writes: a meta.json holding one
+    was edited, and a non-finite lr or step would train NaN weights."""
+    raise ValueError(f"non-finite number {name} (zero writes only finite numbers)")
+
+
+def _open(path: str, name: str):
+    file = os.path.join(path, name)
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as error:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+
+
+class GroupReader:
+    """Reads any [begin, end) range of a param group's flat vector of one state kind from the
+    rank files that hold it, touching only the overlapping slices.
+
+    Ranges are in the saved order's group coordinates, or, given `order` (per group, the
+    parameter names in the reading engine's layout order), in that order's: a checkpoint saved
+    at another stage lays out the same parameters in another order ([Note: units laid out
+    together] in partition/flat.py), and each parameter's elements are then read from where the
+    saved order put them."""
+
+    def __init__(self, path: str, meta: dict, order: list[list[str]] | None = None):
+        self.path = path
+        # per group: (begin in the reader's coordinates, numel, begin in the saved ones)
+        self._moved: dict[int, list[tuple[int, int, int]]] = {}
+        for group, params in enumerate(meta["groups"] if order is not None else ()):
+            saved, offset = {}, 0
+            for p in params:
+                saved[p["name"]] = (offset, _numel(p["shape"]))
+                offset += _numel(p["shape"])
+            if [p["name"] for p in params] != order[group]:
+                moved, begin = [], 0
+                for name in order[group]:
+                    at, numel = saved[name]
+                    moved.append((begin, numel, at))
+                    begin += numel
+                self._moved[group] = moved
+        self.pieces: dict[str, list[tuple[int, int, int, str]]] = {}
+        for rank, groups in meta["ranks"].items():
+            for group, ranges in groups.items():
+                for index, (lo, hi) in enumerate(ranges):
+                    self.pieces.setdefault(group, []).append((lo, hi, index, rank_file(int(rank))))
+        self._handles: dict[str, object] = {}
+
+    def _saved_ranges(self, group: int, begin: int, end: int):
+        """(saved begin, saved end, offset into [begin, end)) covering [begin, end)."""
+        moved = self._moved.get(group)
+        if moved is None:
+            yield begin, end, 0
+            return
+        for at, numel, saved_at in moved:
+            a, b = max(at, begin), min(at + numel, end)
+            if a < b:
+                yield saved_at + a - at, saved_at + b - at, a - begin
+
+    def files(self, group: int, begin: int, end: int) -> set[str]:
+        """The rank files holding elements [begin, end) of a group (for any state kind)."""
+        pieces = self.pieces.get(str(group), [])
+        return {
+            file
+            for sa, sb, _ in self._saved_ranges(group, begin, end)
+            for lo, hi, _, file in pieces
+            if max(lo, sa) < min(hi, sb)
+        }
+
+    def _overlaps(self, group: int, kind: str, begin: int, end: int):
+        """(a, b, piece_lo, file, key) for each saved piece overlapping [begin, end); raises
+        CheckpointError when a tensor is missing, is not fp32 of the right size, or elements
+        are uncovered."""
+        covered, out = 0, []
+        for lo, hi, index, file in self.pieces.get(str(group), []):
+            a, b = max(lo, begin), min(hi, end)
+            if a >= b:
+                continue
+            key = f"group{group}.{kind}.{index}"
+            handle = self._handle(file)
+            saved = handle.get_slice(key) if key in handle.keys() else None
+            if saved is None or (saved.get_dtype(), saved.get_shape()) != ("F32", [hi - lo]):
+                found = "missing" if saved is None else f"{saved.get_dtype()} {saved.get_shape()}"
+                raise CheckpointError(
+                    f"{os.path.join(self.path, file)}: tensor '{key}' is {found}, expected F32 "
+                    f"[{hi - lo}]"
+                )
+            out.append((a, b, lo, file, key))
+            covered += b - a
+        if covered != end - begin:
+            raise CheckpointError(
+                f"{self.path}: group {group} elements [{begin}, {end}) of '{kind}' are not held "
+                "by any rank file"
+            )
+        return out
+
+    def check(self, group: int, kind: str, begin: int, end: int) -> None:
+        for sa, sb, _ in self._saved_ranges(group, begin, end):
+            self._overlaps(group, kind, sa, sb)
+
+    def read_into(self, group: int, kind: str, begin: int, out: torch.Tensor) -> None:
+        """Fill `out` (1-D, fp32) with elements [begin, begin + out.numel())."""
+        for sa, sb, at in self._saved_ranges(group, begin, begin + out.numel()):
+            for a, b, lo, file, key in self._overlaps(group, kind, sa, sb):
+                piece = self._handle(file).get_slice(key)[a - lo : b - lo]
+                out[at + a - sa : at + b - sa].copy_(piece)
+
+    def read(self, group: int, kind: str, begin: int, end: int) -> torch.Tensor:
+        out = torch.empty(end - begin, dtype=torch.float32)
+        self.read_into(group, kind, begin, out)
+        return out
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = _open(self.path, file)
+        return self._handles[file]
+
+
+# ----- load -----------------------------------------------------------------------------------
+def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_only):
+    """Read a checkpoint into the engine; see Engine.load_checkpoint. Everything is verified on
+    every rank (and the ranks agree on it) before any engine state changes."""
+    load_optimizer = load_optimizer and not module_only
+    load_scheduler = load_scheduler and not module_only
+    path, meta, reader, owned, kinds, module_values, rng = _on_every_rank(
+        engine,
+        f"verify the checkpoint in {load_dir}",
+        lambda: _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler),
+    )
+    # Verified: from here on state changes. Values are read straight into their destinations.
+    with torch.no_grad():
+        _read_shards(engine, meta, reader, owned, kinds, load_optimizer)
+        for tensor, value in module_values:
+            if engine.frozen is not None and engine.frozen.full_shape(tensor) is not None:
+                engine.frozen.write(tensor, value)  # stage 3: a partitioned frozen parameter
+            else:
+                tensor.copy_(value.to(tensor.dtype))
+        if engine.gatherer is not None:
+            engine.gatherer.forget_writes()  # the checkpoint's values replace them
+        engine.optimizer.refresh_params()
+    if not module_only:
+        _apply_training_state(engine, meta, load_optimizer, load_scheduler)
+        if rng is not None:
+            torch.set_rng_state(rng)
+            random.setstate(_as_tuple(meta["python_rng"]))
+    return path, meta["client_state"]
+
+
+def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
+    """Resolve, read metadata, and check every file, key, range and value this rank will read
+    or apply: meta.json against its schema, the size and crc32 of every file this rank reads
+    (before it opens them), each tensor's dtype and shape, the training state's keys."""
+    path = resolve(load_dir, tag)
+    meta = read_meta(path)
+    slots = _group_slots(engine)
+    layout_problems = [f"{META}: {p}" for p in _layout_problems(meta, slots)]
+    order = [[s.name for s in group] for group in slots]
+    reader = GroupReader(path, meta, None if layout_problems else order)
+    shard = engine.optimizer.layout.shard_of(engine.comm.rank)
+    owned = [
+        (group, lo, hi, bucket)
+        for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items()
+        for lo, hi, bucket in ranges
+    ]
+    if engine.config.checkpoint.verify_checksums:
+        files = {MODULE_FILE} | {f for g, lo, hi, _ in owned for f in reader.files(g, lo, hi)}
+        if str(engine.comm.rank) in meta["ranks"]:
+            files.add(rank_file(engine.comm.rank))  # its RNG state
+        verify_checksums(path, meta, files)
+    laid_out = _laid_out_ids(engine)
+    module_values, module_problems = _read_module_file(path, engine, laid_out, strict)
+    problems = layout_problems + module_problems
+    if problems:
+        raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
+    current = optimizer_name(engine.optimizer.optimizer)
+    if load_optimizer and meta["optimizer"] != current:
+        raise CheckpointError(
+            f"{os.path.join(path, META)}: optimizer {meta['optimizer']!r} was saved, this run uses "
+            f"{current!r}; pass load_optimizer_states=False to load the weights only"
+        )
+    problems = _training_state_problems(meta, engine, load_optimizer, load_scheduler)
+    if problems:
+        raise CheckpointError(f"{os.path.join(path, META)}: {'; '.join(problems)}")
+    kinds = ["master"] + (meta["sharded_state"] if load_optimizer else [])
+    for group, lo, hi, _ in owned:
+        for kind in kinds:
+            reader.check(group, kind, lo, hi)
+    rng = _read_rng(path, meta, engine.comm.rank)
+    return path, meta, reader, owned, kinds, module_values, rng
+
+
+def _full_shape(engine, tensor) -> tuple:
+    """The tensor's shape; for a stage-3 partitioned frozen parameter, its full shape."""
+    shape = engine.frozen.full_shape(tensor) if engine.frozen is not None else None
+    return tuple(tensor.shape) if shape is None else tuple(shape)
+
+
+def _read_module_file(path: str, engine, laid_out: set[int], strict: bool):
+    """([(tensor, saved value)], problems) for every tensor ZeRO does not lay out (frozen and
+    empty parameters, buffers), checked against module.safetensors."""
+    handle = _open(path, MODULE_FILE)
+    targets, seen = {}, set()
+    for name, tensor in _module_tensors(engine.module):
+        if id(tensor) not in laid_out and id(tensor) not in seen:
+            seen.add(id(tensor))
+            targets[name] = tensor
+    saved = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
+    problems = _differences(saved, {n: _full_shape(engine, t) for n, t in targets.items()})
+    if not strict:
+        problems = [p for p in problems if "shape" in p]
+    for name, tensor in targets.items():
+        dtype = handle.get_slice(name).get_dtype() if name in saved else None
+        if dtype is not None and not _dtype_fits(dtype, tensor.dtype):
+            problems.append(f"'{name}' is {dtype} in the checkpoint, {tensor.dtype} in the model")
+    values = [
+        (tensor, handle.get_tensor(name)) for name, tensor in targets.items() if name in saved
+    ]
+    return values, [f"{MODULE_FILE}: {p}" for p in problems]
+
+
+def _read_rng(path, meta, rank):
+    """This rank's saved torch CPU generator state, checked (None when rank saved none)."""
+    if str(rank) not in meta["ranks"]:
+        return None
+    handle, key = _open(path, rank_file(rank)), "rng.torch_cpu"
+    expected = list(torch.get_rng_state().shape)
+    saved = handle.get_slice(key) if key in handle.keys() else None
+    if saved is None or (saved.get_dtype(), saved.get_shape()) != ("U8", expected):
+        found = "missing" if saved is None else f"{saved.get_dtype()} {saved.get_shape()}"
+        raise CheckpointError(
+            f"{os.path.join(path, rank_file(rank))}: tensor '{key}' is {found}, expected U8 "
+            f"{expected}"
+        )
+    return handle.get_tensor(key)
+
+
+def _read_shards(engine, meta, reader, owned, kinds, load_optimizer: bool) -> None:
+    state = engine.optimizer.optimizer.state
+    for group, lo, hi, bucket in progress(owned, "load", rank=engine.global_rank, unit="range"):
+        with engine.optimizer.resident(bucket, write=True):  # nvme: read, change, write back
+            for kind in kinds:
+                if kind == "master":
+                    target = bucket.master
+                else:
+                    per_param = state.setdefault(bucket.master, {})
+                    if kind not in per_param:
+                        per_param[kind] = torch.zeros_like(bucket.master)
+                    target = per_param[kind]
+                _read_to_device(reader, group, kind, lo, target[: hi - lo])
+        if load_optimizer:
+            for key, item in meta["scalar_state"].get(str(group), {}).items():
+                value = item["value"]
+                if item["tensor"]:
+                    value = torch.tensor(value, dtype=_dtype(item["tensor"]))
+                state.setdefault(bucket.master, {})[key] = value
+
+
+def _read_to_device(reader, group: int, kind: str, begin: int, target: torch.Tensor) -> None:
+    if target.device.type == "cpu" and target.dtype == torch.float32:
+        reader.read_into(group, kind, begin, target)
+    else:
+        target.copy_(reader.read(group, kind, begin, begin + target.numel()))
+
+
+def _apply_training_state(engine, meta, load_optimizer: bool, load_scheduler: bool) -> None:
+    if load_optimizer:
+        # A scheduler whose state is not loaded keeps driving the lr: the param groups keep the
+        # values it wrote ([Note: a scheduler that is not loaded]).
+        kept = _scheduled_keys(engine.lr_scheduler) if not load_scheduler else ()
+        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            for key, value in saved.items():
+                if key == "params" or key not in group or key in kept:
+                    continue  # only the hyper-parameters this optimizer has: never its tensors
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+    if load_scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    counters = meta["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.skipped_steps = counters["skipped_steps"]
+    engine.micro_steps = counters["micro_steps"]
+
+
+def _scheduled_keys(scheduler) -> tuple[str, ...]:
+    """[Note: a scheduler that is not loaded]
+    With load_lr_scheduler_states=False (which a checkpoint saved without a scheduler needs),
+    this run's scheduler keeps its own position, and the param-group values it writes stay its
+    own: "lr", and the momentum a one-cycle schedule cycles ("betas" or "momentum"). Restoring
+    the saved lr instead would run the first step after the load at the old run's lr and the
+    next ones at the scheduler's. The other hyper-parameters (weight decay, eps...) load."""
+    if scheduler is None:
+        return ()
+    keys = ("lr",)
+    if getattr(scheduler, "cycle_momentum", False):  # zero's OneCycle, torch's OneCycleLR
+        keys += ("betas", "momentum")
+    return keys

@@ -1,0 +1,324 @@
+"""Writing a checkpoint: each rank writes what it owns, rank 0 writes meta.json last.
+
+Owns: save, the checks of its inputs made on every rank before anything is written (tag,
+client_state, lr scheduler state), and the contents of the rank files, module.safetensors and
+meta.json. The files are written and published through files.py ([Note: crash-safe
+publication]); the ranks agree on every step through agreement.py.
+"""
+
+import contextlib
+import json
+import logging
+import os
+import random
+from collections.abc import Mapping
+
+import torch
+
+from ..progress import progress
+from .agreement import _on_every_rank, _on_rank_0, _share_text
+from .files import (
+    _create_json,
+    _fsync_dir,
+    _remove,
+    _remove_stale,
+    _write_shard,
+    _write_text_atomic,
+    publish_directory,
+)
+from .format import (
+    FORMAT,
+    LATEST,
+    META,
+    MODULE_FILE,
+    CheckpointError,
+    _check_tag,
+    _jsonable,
+    optimizer_name,
+    rank_file,
+)
+from .ownership import _group_slots, _laid_out_ids, _module_tensors, _written_shard, owned_ranges
+
+logger = logging.getLogger("zero")
+
+
+def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_latest: bool) -> str:
+    """Write a checkpoint; see Engine.save_checkpoint. Returns the checkpoint directory.
+
+    Collective. Raises CheckpointError on every rank (before anything is written) for a bad tag
+    or client_state, and on every rank when any rank fails to write (the failing rank raises
+    its own error); the previous checkpoint and `latest` stay as they were then.
+    """
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    scheduler_state = _on_every_rank(
+        engine,
+        "check the checkpoint tag and state",
+        lambda: _check_inputs(engine, tag, client_state),
+    )
+    tag = _agree_on_tag(engine, tag)
+    final = os.path.join(save_dir, tag)
+    tmp = final + ".tmp"
+    _on_rank_0(engine, f"prepare {tmp}", lambda: _prepare(save_dir, tag))
+    try:
+        # Stage 3 partitions frozen parameters too: rank 0 gathers them for module.safetensors.
+        frozen = engine.frozen.full_values() if engine.frozen is not None else {}
+        written = _on_every_rank(engine, f"write {tmp}", lambda: _write_files(engine, tmp, frozen))
+        files, crcs = _gather_files(engine, written)
+
+        def publish():
+            meta = _meta(engine, tag, dict(client_state), scheduler_state, files, crcs)
+            _finish(meta, save_dir, tag, save_latest)
+
+        _on_rank_0(engine, f"publish {final}", publish)
+    except Exception:
+        if engine.comm.rank == 0:
+            with contextlib.suppress(OSError):
+                _remove(tmp)  # the next save would remove it too
+        raise
+    return final
+
+
+def _check_inputs(engine, tag, client_state: Mapping):
+    """This rank's checks before anything is written; returns the lr scheduler's state."""
+    _check_tag(tag)
+    _check_json(client_state, "client_state")
+    return _scheduler_state(engine)
+
+
+def _finish(meta: dict, save_dir: str, tag: str, save_latest: bool) -> None:
+    """Rank 0: meta.json last, then publication ([Note: crash-safe publication] in files.py)."""
+    tmp = os.path.join(save_dir, tag + ".tmp")
+    _create_json(os.path.join(tmp, META), meta)
+    _fsync_dir(tmp)
+    publish_directory(tmp, os.path.join(save_dir, tag))
+    if save_latest:
+        _write_text_atomic(os.path.join(save_dir, LATEST), tag)
+
+
+def _prepare(save_dir: str, tag: str) -> None:
+    """Rank 0: remove what interrupted saves left in save_dir, and create `<tag>.tmp/`."""
+    os.makedirs(save_dir, exist_ok=True)
+    _remove_stale(save_dir, tag)
+    os.mkdir(os.path.join(save_dir, tag + ".tmp"))
+
+
+def _agree_on_tag(engine, tag: str) -> str:
+    """Every rank saves under rank 0's tag. A rank whose own tag differs is reported as
+    checkpoint.tag_validation says: Warn (log, go on), Fail (CheckpointError on every rank) or
+    Ignore. Every rank's tag has passed _check_tag. Collective."""
+    if engine.comm.world_size == 1:
+        return tag
+    chosen = _share_text(engine, tag, src=0)  # a checked tag fits the message buffer whole
+    differs = torch.tensor([float(chosen != tag)], device=engine.device)
+    engine.comm.all_reduce(differs, op="max")
+    mode = engine.config.checkpoint.tag_validation
+    if differs.item() and mode != "Ignore":
+        message = (
+            f"rank {engine.comm.rank}: ranks passed different checkpoint tags (this rank {tag!r}, "
+            f"rank 0 {chosen!r}); pass the same tag on every rank (checkpoint.tag_validation)"
+        )
+        if mode == "Fail":
+            raise CheckpointError(message)
+        logger.warning("%s; saving under %r", message, chosen)
+    return chosen
+
+
+def _check_json(value, what: str) -> None:
+    """`value` must survive JSON unchanged (no tensors, tuples or non-string keys)."""
+    if _is_json(value):
+        return
+    bad = (
+        [k for k, v in value.items() if not _is_json({k: v})] if isinstance(value, Mapping) else []
+    )
+    where = f"{what}[{bad[0]!r}]" if bad else what
+    raise CheckpointError(
+        f"{where} does not survive JSON unchanged; checkpoints store client_state as JSON: use "
+        "numbers, strings, lists and dicts with string keys (tensor.tolist(), list(tuple))"
+    )
+
+
+def _is_json(value) -> bool:
+    try:
+        return json.loads(json.dumps(value, allow_nan=True)) == value and _no_tuples(value)
+    except (TypeError, ValueError):
+        return False
+
+
+def _no_tuples(value) -> bool:
+    if isinstance(value, tuple):
+        return False
+    if isinstance(value, list):
+        return all(_no_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return all(_no_tuples(v) for v in value.values())
+    return True
+
+
+def _scheduler_state(engine):
+    if engine.lr_scheduler is None:
+        return None
+    state = engine.lr_scheduler.state_dict()
+    try:
+        json.dumps(state, allow_nan=True)
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"the lr scheduler {type(engine.lr_scheduler).__name__} has a state_dict that is not "
+            "JSON-serializable; use a scheduler from the config or one with plain state"
+        ) from None
+    return state
+
+
+def _write_files(engine, directory: str, frozen: dict) -> dict:
+    written = {rank_file(engine.comm.rank): _write_rank_file(engine, directory)}
+    if engine.comm.rank == 0:
+        written[MODULE_FILE] = _write_module_file(engine, directory, frozen)
+    return written
+
+
+def _gather_files(engine, written: dict) -> tuple[dict, dict]:
+    """(name -> size in bytes, name -> crc32) of every rank's files, from the (size, crc32)
+    each rank measured of the files it wrote; complete on rank 0. Collective."""
+    rank = engine.comm.rank
+    table = torch.zeros(engine.comm.world_size, 4, dtype=torch.int64)
+    for column, name in enumerate((rank_file(rank), MODULE_FILE)):
+        if name in written:
+            size, crc = written[name]
+            table[rank, 2 * column : 2 * column + 2] = torch.tensor([size, int(crc, 16)])
+    table = table.to(engine.device)
+    engine.comm.all_reduce(table)
+    files, crcs = {}, {}
+    for r, (size, crc, module_size, module_crc) in enumerate(table.tolist()):
+        files[rank_file(r)], crcs[rank_file(r)] = size, f"{crc:08x}"
+        if r == 0:
+            files[MODULE_FILE], crcs[MODULE_FILE] = module_size, f"{module_crc:08x}"
+    return files, crcs
+
+
+def _sharded_state_keys(engine) -> list[str]:
+    """Optimizer state entries shaped like the master shard (Adam: exp_avg, exp_avg_sq)."""
+    keys: set[str] = set()
+    for bucket in engine.optimizer.buckets:
+        for key, value in engine.optimizer.optimizer.state.get(bucket.master, {}).items():
+            if torch.is_tensor(value) and value.shape == bucket.master.shape and value.dim():
+                keys.add(key)
+    return sorted(keys)
+
+
+def _write_rank_file(engine, directory: str) -> tuple[int, str]:
+    tensors = {"rng.torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng.torch_cuda"] = torch.cuda.get_rng_state()
+    shard = _written_shard(engine.optimizer.layout, engine.comm.rank)
+    if shard is not None:
+        state = engine.optimizer.optimizer.state
+        kinds = _sharded_state_keys(engine)
+        for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items():
+            bar = progress(ranges, f"save group {group}", rank=engine.global_rank, unit="bucket")
+            for index, (lo, hi, bucket) in enumerate(bar):
+                # The owned, unpadded part of a bucket is the head of its shard (padding is at
+                # the end); a prefix view is written without a copy, except of nvme state
+                # (engine/offload/nvme.py), whose host buffer is reused for the next bucket.
+                offloader = engine.optimizer.offloader
+                swapped = offloader is not None and offloader.swapped(bucket)
+                with engine.optimizer.resident(bucket):
+                    values = {"master": bucket.master[: hi - lo]}
+                    values.update({kind: state[bucket.master][kind][: hi - lo] for kind in kinds})
+                    for kind, value in values.items():
+                        value = value.float().cpu()
+                        tensors[f"group{group}.{kind}.{index}"] = (
+                            value.clone() if swapped else value
+                        )
+    return _write_shard(tensors, os.path.join(directory, rank_file(engine.comm.rank)))
+
+
+def _write_module_file(engine, directory: str, frozen: dict) -> tuple[int, str]:
+    """module.safetensors: frozen and empty parameters and buffers; `frozen` maps id(param) to
+    the full value of a stage-3 partitioned frozen parameter."""
+    laid_out = _laid_out_ids(engine)
+    tensors, seen = {}, set()
+    for name, tensor in _module_tensors(engine.module):
+        if id(tensor) in laid_out or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        tensors[name] = frozen.get(id(tensor), tensor).detach().cpu().contiguous()
+    return _write_shard(tensors, os.path.join(directory, MODULE_FILE))
+
+
+def _meta(engine, tag: str, client_state: dict, scheduler_state, files: dict, crcs: dict) -> dict:
+    optimizer = engine.optimizer.optimizer
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    ranks = {}
+    for rank in range(engine.comm.world_size):
+        shard = _written_shard(engine.optimizer.layout, rank)
+        ranges = {} if shard is None else owned_ranges(engine.optimizer.buckets, shard)
+        ranks[str(rank)] = {str(g): [[lo, hi] for lo, hi, _ in r] for g, r in ranges.items()}
+    return {
+        "format": FORMAT,
+        "tag": tag,
+        "config": engine.config.to_dict(),
+        "world_size": engine.comm.world_size,
+        "stage": engine.config.zero.stage,
+        "compute_dtype": str(engine.config.compute_dtype).replace("torch.", ""),
+        "groups": [
+            [{"name": s.name, "shape": list(s.shape)} for s in slots]
+            for slots in _group_slots(engine)
+        ],
+        "ties": _ties(engine.module),
+        "ranks": ranks,
+        "optimizer": optimizer_name(engine.optimizer.optimizer),
+        "sharded_state": _sharded_state_keys(engine),
+        "scalar_state": _scalar_state(engine),
+        "param_groups": _jsonable(groups),
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps,
+        },
+        "loss_scaler": engine.scaler.state_dict(),
+        "lr_scheduler": scheduler_state,
+        "python_rng": _jsonable(random.getstate()),
+        "client_state": client_state,
+        "files": files,
+        "crc32": crcs,
+        "frozen": _frozen_names(engine),
+    }
+
+
+def _frozen_names(engine) -> list[str]:
+    """The names module.safetensors holds frozen parameters under (requires_grad=False; each
+    tensor under its first name), so consolidation can leave them out without the model."""
+    laid_out, seen, names = _laid_out_ids(engine), set(), []
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        if id(param) in laid_out or id(param) in seen:
+            continue
+        seen.add(id(param))
+        if not param.requires_grad:
+            names.append(name)
+    return names
+
+
+def _ties(module) -> dict[str, str]:
+    """Names that alias another parameter or buffer: alias -> the first (canonical) name."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, tensor in _module_tensors(module):
+        if id(tensor) in first:
+            ties[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return ties
+
+
+def _scalar_state(engine) -> dict:
+    """Per param group, the optimizer state that is not per element (Adam's step count)."""
+    out = {}
+    state = engine.optimizer.optimizer.state
+    for bucket in engine.optimizer.buckets:
+        group = str(bucket.layout.group)
+        for key, value in state.get(bucket.master, {}).items():
+            if torch.is_tensor(value) and value.dim() == 0:
+                out.setdefault(group, {})[key] = {"tensor": str(value.dtype), "value": value.item()}
+            elif not torch.is_tensor(value):
+                out.setdefault(group, {})[key] = {"tensor": None, "value": _jsonable(value)}
+    return out

@@ -1,0 +1,152 @@
+"""DeepSpeed's renamed and deprecated keys, and the blocks of its subsystems zero does not have.
+
+Owns the rewrite of deprecated DeepSpeed names to current ones in raw data (each with a
+``FutureWarning``, DeepSpeed's unprefixed names of the stage3_ keys included) and the one
+``UserWarning`` per accepted-but-unsupported block (amp, pipeline, ...) that is enabled.
+Warnings point at the first frame outside zero.config, the caller's code.
+"""
+
+import os
+import sys
+import warnings
+from typing import Any
+
+from .errors import ConfigError, _show
+from .schema import Config
+
+# Blocks of DeepSpeed subsystems zero does not implement: accepted as free dicts so existing
+# files load, with one warning when a block says "enabled": true.
+UNSUPPORTED_BLOCKS = (
+    "amp",
+    "elasticity",
+    "autotuning",
+    "compression_training",
+    "data_efficiency",
+    "pipeline",
+    "sparse_attention",
+    "curriculum_learning",
+    "progressive_layer_drop",
+    "eigenvalue",
+    "hybrid_engine",
+    "compile",
+)
+
+
+def _caller_stacklevel() -> int:
+    """Stack level of the first frame outside this package (zero.config), so warnings point at
+    user code: load_config (load.py) calls the functions here that warn."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE_DIR:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE_DIR = os.path.dirname(__file__)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"config key '{old}' is deprecated; use '{new}' instead.",
+        FutureWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+
+
+def _rename(block: dict[str, Any], old: str, new: str, prefix: str, where: str) -> None:
+    if old not in block:
+        return
+    _deprecated(prefix + old, prefix + new)
+    if new in block:
+        raise ConfigError(
+            f"{where}both '{prefix}{old}' (deprecated) and '{prefix}{new}' are given; "
+            f"keep only '{prefix}{new}'."
+        )
+    block[new] = block.pop(old)
+
+
+# zero_optimization keys DeepSpeed also accepts without their stage3_ prefix.
+_STAGE3_FIELD_NAMES = (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+)
+
+
+def _map_deprecated(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """Rewrite deprecated DeepSpeed names to current ones, warning for each (in place)."""
+    _rename(data, "bfloat16", "bf16", "", where)
+    zero = data.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return data
+    prefix = "zero_optimization."
+    _rename(
+        zero,
+        "stage3_gather_fp16_weights_on_model_save",
+        "stage3_gather_16bit_weights_on_model_save",
+        prefix,
+        where,
+    )
+    # DeepSpeed also reads its own field names for the stage3_ keys (populate_by_name).
+    for name in _STAGE3_FIELD_NAMES:
+        if name in zero:
+            if f"stage3_{name}" in zero:
+                raise ConfigError(
+                    f"{where}both '{prefix}{name}' and '{prefix}stage3_{name}' are given (two "
+                    f"names of one DeepSpeed key); keep only '{prefix}stage3_{name}'."
+                )
+            zero[f"stage3_{name}"] = zero.pop(name)
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if old not in zero:
+            continue
+        enabled = zero.pop(old)
+        if enabled:
+            _deprecated(prefix + old, f"{prefix}{new}.device = 'cpu'")
+        else:
+            # DeepSpeed reads false (and null) as no offload.
+            warnings.warn(
+                f"config key '{prefix}{old}' is deprecated; {_show(enabled)} means no offload, "
+                f"which is the default: remove the key (or write {prefix}{new}: "
+                '{"device": "none"}).',
+                FutureWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ConfigError(
+                f"{where}invalid value for '{prefix}{old}': {_show(enabled)}. Expected true or "
+                f'false; better, write {prefix}{new}: {{"device": "cpu"}}.'
+            )
+        if new in zero:  # DeepSpeed refuses both names, whatever the old one says
+            raise ConfigError(
+                f"{where}both '{prefix}{old}' (deprecated) and '{prefix}{new}' are given; "
+                f"keep only '{prefix}{new}'."
+            )
+        if enabled:
+            zero[new] = {"device": "cpu"}
+    if "cpu_offload_use_pin_memory" in zero:
+        pin = zero.pop("cpu_offload_use_pin_memory")
+        _deprecated(
+            prefix + "cpu_offload_use_pin_memory",
+            f"{prefix}offload_optimizer.pin_memory and {prefix}offload_param.pin_memory",
+        )
+        for name in ("offload_optimizer", "offload_param"):
+            if isinstance(zero.get(name), dict):
+                zero[name].setdefault("pin_memory", pin)
+    return data
+
+
+def _warn_unsupported(config: Config, where: str) -> None:
+    for name in UNSUPPORTED_BLOCKS:
+        block = getattr(config, name)
+        if block is not None and block.get("enabled") is True:
+            warnings.warn(
+                f"{where}'{name}' is enabled, but zero does not support this DeepSpeed "
+                "subsystem; the block is accepted and ignored.",
+                UserWarning,
+                stacklevel=_caller_stacklevel(),
+            )

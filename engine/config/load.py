@@ -1,0 +1,171 @@
+"""Loading a config: ``load_config`` runs the steps below in order; ``settings_without_effect``.
+
+1. read the source (path to .json/.hjson/.yaml/.yml, a mapping, or an existing ``Config``);
+   YAML reads 1e-3 as a float, like JSON. One walk over the data refuses a key given twice
+   in one mapping, keys that are not strings, nesting deeper than 100 levels and non-finite
+   numbers anywhere (parse.py, see [Note: what the checking walk refuses]);
+2. map deprecated DeepSpeed names to their current ones (each with a ``FutureWarning``), and
+   DeepSpeed's unprefixed names of the stage3_ keys to the prefixed ones (deepspeed_keys.py);
+3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs); an "auto"
+   bucket size or threshold nothing fills takes its default, said in one info line (auto.py);
+4. validate against the schema (schema.py; one ``ConfigError`` naming the dotted key on
+   failure, errors.py; keys whose non-default value would change what is trained and that
+   zero does not implement, ZeRO++ / MiCS, torch_autocast, AutoTP, weight_quantization and
+   the like, are errors unless at their defaults);
+5. derive the batch triple for the data-parallel world size (auto.py);
+6. warn once per accepted-but-unsupported block (amp, pipeline, ...; deepspeed_keys.py).
+"""
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from .auto import _derive_batch, _resolve_auto
+from .deepspeed_keys import _map_deprecated, _warn_unsupported
+from .errors import ConfigError, _describe
+from .parse import _read_source
+from .schema import Config
+from .values import _freeze, _thaw
+
+logger = logging.getLogger("zero")
+
+__all__ = ["load_config", "settings_without_effect"]
+
+
+def load_config(
+    source: "str | os.PathLike[str] | Mapping[str, Any] | Config",
+    *,
+    world_size: int = 1,
+    auto_values: Mapping[str, Any] | None = None,
+    notes: list[str] | None = None,
+) -> Config:
+    """Load, validate and resolve a DeepSpeed-style config.
+
+    Args:
+        source: path to a .json (read with hjson, so comments work), .hjson, .yaml or .yml file;
+            a mapping; or an existing ``Config``, which is re-validated for ``world_size``.
+        world_size: data-parallel world size used to derive the batch triple.
+        auto_values: values for ``"auto"`` entries, by dotted key (e.g.
+            ``{"train_micro_batch_size_per_gpu": 8, "optimizer.params.lr": 1e-3}``); a
+            ``"hidden_size"`` entry fills "auto" reduce_bucket_size (h*h),
+            stage3_prefetch_bucket_size (0.9*h*h) and stage3_param_persistence_threshold (10*h).
+            An "auto" bucket size or threshold in zero_optimization that nothing fills takes
+            the field's default (see [Note: "auto" that takes the default] in auto.py).
+        notes: when given, the info lines about how the config was resolved (the "auto"
+            entries that took defaults; at most one line) are appended here instead of being
+            logged to the "zero" logger, so a caller without a log handler yet (zero.initialize)
+            can log them once it has one.
+
+    Returns:
+        An immutable ``Config`` whose three batch keys are ints.
+
+    Raises:
+        ConfigError: missing, unreadable, non-UTF-8 or unparsable file, non-finite number or
+            nesting deeper than 100 levels anywhere, unknown key, invalid value, broken cross-field
+            rule, unresolved "auto", ZeRO++ / MiCS keys set to anything but their defaults
+            (not implemented), or a batch triple that does not fit ``world_size``. The message
+            names the dotted key, the value and the fix (and the file, if any).
+
+    Warns:
+        FutureWarning for each deprecated DeepSpeed name; UserWarning for enabled blocks of
+        subsystems zero does not support.
+    """
+    found: list[str] = []
+    if isinstance(source, Config):
+        where = "config: "
+        data = _thaw(source._source or source.model_dump(exclude_unset=True))
+    else:
+        where, data = _read_source(source)
+        data = _map_deprecated(data, where)
+        if auto_values is not None and not isinstance(auto_values, Mapping):
+            raise ConfigError(
+                "auto_values must be a mapping of dotted keys to values, got "
+                f"{type(auto_values).__name__}."
+            )
+        data = _resolve_auto(data, auto_values or {}, where, found)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r}.")
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, where, Config)) from None
+    train, micro, gas = _derive_batch(
+        config.train_batch_size,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+        world_size,
+        where,
+    )
+    config = config.model_copy(
+        update={
+            "train_batch_size": train,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": gas,
+        }
+    )
+    config._source = _freeze(data)
+    if not isinstance(source, Config):  # the first load already warned
+        _warn_unsupported(config, where)
+    if notes is not None:
+        notes.extend(found)
+    else:
+        for line in found:
+            logger.info(line)
+    return config
+
+
+def settings_without_effect(config: Config, *, model_parallel_world_size: int) -> list[str]:
+    """Lines naming what ``config`` asks for that has no effect in this run (empty when none).
+
+    zero.initialize logs them once at INFO (shown on rank 0): settings that are inert because
+    of how the run is set up, and switches of DeepSpeed features zero does not have that a user
+    would otherwise wait for (wandb, the FLOPs profiler, gradient pre-division).
+
+    Args:
+        config: a loaded config.
+        model_parallel_world_size: ranks in the model-parallel (tensor-parallel) group; 1
+            without model parallelism (no mpu).
+    """
+    lines = []
+    block = config.activation_checkpointing
+    if block.partition_activations and model_parallel_world_size == 1:
+        # Pa keeps a 1/mp slice of an input that every model-parallel rank holds in full; with
+        # mp = 1 the slice is the whole input (activation.py's _KeptInputs skips partitioning).
+        lines.append(
+            "activation_checkpointing.partition_activations has no effect without model "
+            "parallelism (model-parallel world size 1): checkpointed activations are not "
+            "replicated across a model-parallel group, so each rank keeps them whole "
+            "(cpu_checkpointing and contiguous_memory_optimization still apply). Set it to "
+            "false, or pass an mpu whose model-parallel size is above 1."
+        )
+    if config.wandb.enabled:
+        lines.append(
+            "wandb.enabled: zero does not log to Weights & Biases; its step metrics go to "
+            "tensorboard or csv_monitor (docs/observability.md), or log engine values from the "
+            "training script."
+        )
+    if config.comet.enabled:
+        lines.append(
+            "comet.enabled: zero does not log to Comet; its step metrics go to tensorboard or "
+            "csv_monitor (docs/observability.md), or log engine values from the training script."
+        )
+    if config.flops_profiler.enabled:
+        lines.append(
+            "flops_profiler.enabled: zero has no per-module FLOPs profiler; its step line "
+            "reports tokens/s and model TFLOP/s every steps_per_print steps."
+        )
+    if config.aio.use_gds:
+        lines.append(
+            "aio.use_gds: zero's nvme offload reads and writes through host buffers "
+            "(zero.ops.aio), not GPUDirect Storage."
+        )
+    if config.prescale_gradients or config.gradient_predivide_factor != 1.0:
+        lines.append(
+            "prescale_gradients / gradient_predivide_factor: zero sums gradients over ranks "
+            "and divides once after the reduction, in fp32 or communication_data_type; "
+            "these keys do not change that."
+        )
+    return lines

@@ -1,0 +1,254 @@
+"""Reading a config source into plain, checked data: files, JSON / hjson / YAML, one checking walk.
+
+Owns the step before any key is interpreted: a path (.json, .hjson, .yaml, .yml) or a mapping
+becomes a fresh dict of plain dicts and lists, or a ``ConfigError`` naming the file, line or
+dotted key. YAML reads 1e-3 as a float, like JSON; a key given twice in one mapping, a key that
+is not a string, nesting deeper than 100 levels and non-finite numbers are refused (see
+[Note: what the checking walk refuses] and [Note: duplicate keys]).
+"""
+
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import hjson
+import yaml
+
+from .errors import ConfigError, _show
+
+
+def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
+    """Return (message prefix, raw dict) for a path or mapping, checked by ``_checked``."""
+    if isinstance(source, Mapping):
+        return "config: ", _checked(source, "", "config: ")
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(
+            f"config source must be a path, a dict or a Config, got {type(source).__name__}."
+        )
+    path = Path(source)
+    where = f"config file '{path}': "
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".hjson", ".yaml", ".yml"):
+        raise ConfigError(f"{where}unknown file type '{suffix}'; use .json, .hjson, .yaml or .yml.")
+    data = _parse(_read_text(path, where), suffix, where)
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{where}the top level must be a mapping of keys, got {type(data).__name__}."
+        )
+    return where, _checked(data, "", where)
+
+
+def _read_text(path: Path, where: str) -> str:
+    """The file's text; a ConfigError for a directory, a missing file or bytes not UTF-8."""
+    try:
+        if path.is_dir():
+            raise ConfigError(f"{where}is a directory; give the path of the config file in it.")
+        if not path.exists():
+            raise ConfigError(f"{where}file not found; check the path.")
+        if not path.is_file():
+            raise ConfigError(f"{where}is not a regular file; give the path of a config file.")
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(
+            f"{where}cannot be read ({err.strerror or err}); check the path and its permissions."
+        ) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(_not_utf8(raw, err.start, where)) from None
+
+
+def _not_utf8(raw: bytes, start: int, where: str) -> str:
+    """Name the line, column and byte offset of the first byte that is not UTF-8."""
+    line_start = raw.rfind(b"\n", 0, start) + 1
+    line = raw.count(b"\n", 0, start) + 1
+    column = len(raw[line_start:start].decode("utf-8")) + 1  # valid: the error is the first
+    bom = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+    why = " (it starts with a UTF-16 byte order mark)" if bom else ""
+    return (
+        f"{where}not UTF-8{why}: byte 0x{raw[start]:02x} at line {line}, column {column} "
+        f"(byte offset {start}) cannot be decoded. Save the file as UTF-8."
+    )
+
+
+def _parse(text: str, suffix: str, where: str) -> Any:
+    """Parse JSON / hjson / YAML text; every parser failure becomes a ConfigError."""
+    try:
+        if suffix in (".yaml", ".yml"):
+            return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no objects
+        return hjson.loads(text, object_pairs_hook=_mapping_from_pairs, parse_float=_hjson_float)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{where}YAML parse error{line}: {problem}.") from None
+    except hjson.HjsonDecodeError as err:
+        # hjson reads a bare word up to the end of the line, brackets included.
+        hint = ""
+        if re.search(r"[:,\[]\s*-?(Infinity|NaN)\b", text):
+            hint = " (Infinity and NaN are not accepted anywhere; write a finite number)"
+        raise ConfigError(
+            f"{where}parse error at line {err.lineno}, column {err.colno}: {err.msg}{hint}."
+        ) from None
+    except RecursionError:
+        raise ConfigError(_too_deep(where, "")) from None
+    except ValueError as err:
+        # int() of more than 4300 digits, or a YAML date that does not exist (2020-13-45).
+        reason = str(err).split(";")[0]
+        raise ConfigError(
+            f"{where}a value cannot be read: {reason}. Correct it (a number fits in 19 digits, "
+            "a YAML date must exist) or quote it to keep it as text."
+        ) from None
+
+
+class _OutOfRange(float):
+    """hjson's float for a literal beyond the float range, such as 1e400: infinity."""
+
+    # hjson turns integral floats below 1e10 into ints by testing int(value) == value, and
+    # int(inf) raises OverflowError. Here int() gives 0, so the test fails, the value stays
+    # infinity and _checked names its key like any other non-finite number.
+    def __int__(self) -> int:
+        return 0
+
+
+def _hjson_float(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else _OutOfRange(value)
+
+
+# [Note: what the checking walk refuses]
+# _checked copies the parsed data once, before anything else looks at it, and refuses:
+# - a key given twice in one mapping (see [Note: duplicate keys]);
+# - a key that is not a string (YAML reads unquoted 1, true, null as int, bool, None);
+# - nesting deeper than _MAX_DEPTH: every later step (deprecated names, "auto", pydantic,
+#   freezing) recurses, and a mapping that contains itself (a YAML alias, a dict built in
+#   Python) would recurse without end. DeepSpeed keys nest at most 3 levels deep;
+# - non-finite numbers anywhere, free-form blocks (optimizer.params, scheduler.params, the
+#   unsupported subsystems) included: an inf or NaN lr, momentum or loss scale does not fail,
+#   it silently ruins or skips every step. hjson reads JSON's Infinity / -Infinity / NaN as
+#   text, so those exact strings count as the numbers they spell.
+_MAX_DEPTH = 100
+_NON_FINITE_TEXT = ("Infinity", "-Infinity", "NaN")
+
+
+def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
+    """Deep copy into plain dicts and lists (never aliasing the input), checked as it goes.
+
+    ``key`` is the dotted key of ``node`` ("" for the top level), ``depth`` the number of
+    mappings and lists around it plus one. Raises ConfigError naming the key; see
+    [Note: what the checking walk refuses].
+    """
+    if isinstance(node, (Mapping, list, tuple)) and depth > _MAX_DEPTH:
+        raise ConfigError(_too_deep(where, key))
+    if isinstance(node, _Duplicated):
+        raise ConfigError(
+            f"{where}key '{_join(key, node.key)}' is given more than once; keep one (the "
+            "parser would silently use the last value)."
+        )
+    if isinstance(node, Mapping):
+        for name in node:
+            if not isinstance(name, str):
+                raise ConfigError(
+                    f"{where}key {name!r} {f'in {key!r}' if key else 'at the top level'} is "
+                    f"not a string but {type(name).__name__}; quote it (YAML reads unquoted 1, "
+                    "true and null as a number, a boolean and null)."
+                )
+        return {k: _checked(v, _join(key, k), where, depth + 1) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_checked(v, _join(key, i), where, depth + 1) for i, v in enumerate(node)]
+    huge = isinstance(node, int) and not isinstance(node, bool) and abs(node) > _FLOAT_MAX
+    if (
+        huge
+        or (isinstance(node, float) and not math.isfinite(node))
+        or (isinstance(node, str) and node in _NON_FINITE_TEXT)
+    ):
+        raise ConfigError(
+            f"{where}invalid value for '{key}': {_show(node)}. Non-finite numbers (inf, -inf, "
+            "NaN) are refused everywhere in a config: an infinite or NaN learning rate, "
+            "momentum or loss scale ruins or skips every step. Write a finite number (a "
+            "literal beyond about 1.8e308, such as 1e400, also reads as infinity)."
+        )
+    return node
+
+
+# An integer beyond the largest float: as an lr or eps it overflows inside the optimizer's first
+# step, so it counts as non-finite.
+_FLOAT_MAX = sys.float_info.max
+
+
+def _join(key: str, part: Any) -> str:
+    return f"{key}.{part}" if key else str(part)
+
+
+def _too_deep(where: str, key: str) -> str:
+    parts = key.split(".")
+    at = f" at '{'.'.join(parts[:6])}{'...' if len(parts) > 6 else ''}'" if key else ""
+    return (
+        f"{where}values nest more than {_MAX_DEPTH} levels deep{at} (or a mapping contains "
+        "itself, e.g. through a YAML alias). DeepSpeed keys nest at most 3 levels "
+        "(zero_optimization.offload_optimizer.device); flatten or remove that value."
+    )
+
+
+# [Note: duplicate keys]
+# JSON, hjson and YAML parsers keep the last of two equal keys without a word, so a config
+# that sets train_micro_batch_size_per_gpu twice trains with whichever came last. The parsers
+# build each mapping bottom-up, before its parent exists, so they cannot know the dotted path;
+# instead a mapping with a repeated key is built as a _Duplicated dict remembering the key, and
+# _checked names it with its dotted path as it walks the finished tree.
+
+
+class _Duplicated(dict):
+    """A parsed mapping in which ``key`` appeared more than once (last value kept)."""
+
+    def __init__(self, pairs: Any, key: Any) -> None:
+        super().__init__(pairs)
+        self.key = key
+
+
+def _mapping_from_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """hjson's object_pairs_hook: a dict, or a _Duplicated one when a key repeats."""
+    seen: set[Any] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return _Duplicated(pairs, key)
+        seen.add(key)
+    return dict(pairs)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader with YAML 1.2 style floats and repeated keys detected.
+
+    YAML 1.1 (PyYAML) reads ``1e-3`` and ``5e8`` as strings because its float pattern needs a
+    dot and a signed exponent; JSON and YAML 1.2 read them as numbers. DeepSpeed configs are
+    written with JSON in mind, so every number in exponent notation here is a float: lr and
+    sizes alike.
+    """
+
+    def construct_yaml_map(self, node: yaml.MappingNode) -> Any:
+        # Explicit keys only: "<<" merge keys may legitimately be overridden.
+        seen: set[tuple[str, str]] = set()
+        repeated = None
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _YAML_MERGE_TAG:
+                if (key_node.tag, key_node.value) in seen and repeated is None:
+                    repeated = key_node.value
+                seen.add((key_node.tag, key_node.value))
+        data: dict[Any, Any] = {} if repeated is None else _Duplicated((), repeated)
+        yield data
+        data.update(self.construct_mapping(node))
+
+
+_YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
+_YamlLoader.add_constructor("tag:yaml.org,2002:map", _YamlLoader.construct_yaml_map)
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+|[-+]?\.[0-9][0-9_]*[eE][-+]?[0-9]+)$"
+    ),
+    list("-+.0123456789"),
+)

@@ -1,0 +1,148 @@
+"""Value types of config fields, and ``_Block``, the base of every config block.
+
+Owns how one raw value becomes a field's value: whole numbers written as 5e8 or "5e8" (counts,
+ELEMENT sizes, byte sizes, the ZeRO stage), numbers that refuse true/false, dtype and offload
+device spellings, free-form dicts frozen read-only (and thawed back for messages and dumps).
+Imports nothing from zero.
+"""
+
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, PlainSerializer
+
+# Every count and size is used as a torch int64 (tensor sizes, offsets, step counters).
+_INT64_MAX = 2**63 - 1
+
+
+def _to_whole(value: Any, *, minimum: int, what: str, maximum: int = _INT64_MAX) -> int:
+    """Coerce JSON numbers such as 5e8 (a float) or YAML's "5e8" (a string) to an int."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected {what}")
+    if isinstance(value, str):
+        # A quoted "5e8" (our YAML loader reads an unquoted 5e8 as a float, like JSON).
+        text = value.strip()
+        try:
+            value = int(text) if text.lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            raise ValueError(f"expected {what}, not a string") from None
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"expected {what}; {value} is not a whole number")
+        value = int(value)
+    if value < minimum:
+        bound = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"must be {bound} ({what})")
+    if value > maximum:
+        bound = "2**63 - 1, the largest int64" if maximum == _INT64_MAX else str(maximum)
+        raise ValueError(f"must be at most {bound} ({what})")
+    return value
+
+
+def _whole(minimum: int, what: str, maximum: int = _INT64_MAX) -> Any:
+    check = functools.partial(_to_whole, minimum=minimum, what=what, maximum=maximum)
+    return Annotated[int, BeforeValidator(check)]
+
+
+_ELEMENTS = "a whole number of elements; DeepSpeed sizes count elements, not bytes"
+Elements = _whole(1, _ELEMENTS)
+ElementsOrZero = _whole(0, _ELEMENTS)
+Count = _whole(1, "a whole number")
+CountOrZero = _whole(0, "a whole number")
+Bytes = _whole(1, "a whole number of bytes")
+
+
+def _not_bool(value: Any) -> Any:
+    # pydantic reads true as 1.0: gradient_clipping: true would clip at 1.0 without a word.
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not true or false")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_not_bool)]
+
+
+def _to_stage(value: Any) -> int:
+    stage = _to_whole(value, minimum=0, what="a ZeRO stage 0, 1, 2 or 3")
+    if stage > 3:
+        raise ValueError(
+            "ZeRO stage must be one of 0, 1, 2, 3 (0: plain data parallel, 1: shard optimizer "
+            "states, 2: also gradients, 3: also parameters)"
+        )
+    return stage
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+# A free-form, read-only dict (validated elsewhere, e.g. by the optimizer registry).
+FrozenDict = Annotated[Mapping[str, Any], AfterValidator(_freeze), PlainSerializer(_thaw)]
+
+
+def _lower(value: Any) -> Any:
+    if value is None:
+        return "none"
+    return value.lower() if isinstance(value, str) else value
+
+
+OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_lower)]
+HalfOrFull = Literal["fp32", "fp16", "bf16"]
+
+
+_DTYPE_NAMES = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+}
+
+
+def _dtype_name(value: Any) -> Any:
+    # DeepSpeed reads a dtype as any of its spellings (bfloat16, torch.float16, half, ...).
+    return _DTYPE_NAMES.get(value.lower(), value) if isinstance(value, str) else value
+
+
+AnyDtype = Annotated[HalfOrFull, BeforeValidator(_dtype_name)]
+
+
+class _Block(BaseModel):
+    """Base of every config block: immutable, unknown keys are errors, floats are finite.
+
+    ``allow_inf_nan=False`` refuses the strings "inf" / "nan" that pydantic would otherwise read
+    into a float field; non-finite numbers themselves never get this far (``_checked`` in
+    parse.py).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=False, allow_inf_nan=False
+    )
+
+
+def _capitalize(value: Any) -> Any:
+    return value.capitalize() if isinstance(value, str) else value
+
+
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value

@@ -1,0 +1,282 @@
+"""DeepSpeed's ``zero_optimization`` block: ``ZeroConfig`` and its offload and leaf-module blocks.
+
+Every bucket size, prefetch size and persistence threshold here counts ELEMENTS, not bytes.
+Also owns the ZeRO++ / MiCS keys, accepted only at their defaults (zero does not implement
+them), and ZenFlow, refused.
+"""
+
+import sys
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
+
+from .errors import _cross, _show
+from .values import (
+    Count,
+    Elements,
+    ElementsOrZero,
+    FrozenDict,
+    Number,
+    OffloadDevice,
+    _Block,
+    _to_stage,
+    _whole,
+)
+
+__all__ = ["ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
+
+
+class OffloadOptimizerConfig(_Block):
+    """DeepSpeed ``zero_optimization.offload_optimizer`` (ZeRO-Offload / ZeRO-Infinity)."""
+
+    device: OffloadDevice = Field(
+        "none", description="Where optimizer states live: none (accelerator), cpu or nvme."
+    )
+    nvme_path: str | None = Field(None, description="Directory for nvme offload files.")
+    buffer_count: Count = Field(4, description="Number of I/O buffers for nvme offload.")
+    pin_memory: bool = Field(False, description="Use page-locked CPU memory.")
+    pipeline_read: bool = Field(False, description="Overlap nvme reads with compute.")
+    pipeline_write: bool = Field(False, description="Overlap nvme writes with compute.")
+    fast_init: bool = Field(False, description="Fast optimizer initialization on nvme.")
+    ratio: Number = Field(
+        1.0, gt=0, le=1, description="Fraction of optimizer states offloaded (0 < ratio <= 1)."
+    )
+    super_offload: bool = Field(
+        False, description="DeepSpeed's SuperOffload optimizer path (superchips); no effect."
+    )
+    cpuadam_cores_perc: Number = Field(
+        0.8, ge=0, le=1, description="Share of CPU cores DeepSpeed's CPU Adam uses; no effect."
+    )
+
+
+class OffloadParamConfig(_Block):
+    """DeepSpeed ``zero_optimization.offload_param`` (stage 3 only). Sizes are in elements."""
+
+    device: OffloadDevice = Field(
+        "none", description="Where parameter shards live: none (accelerator), cpu or nvme."
+    )
+    nvme_path: str | None = Field(None, description="Directory for nvme offload files.")
+    buffer_count: Count = Field(5, description="Number of buffers for nvme parameter reads.")
+    buffer_size: Elements = Field(
+        100_000_000, description="Size of each nvme parameter buffer, in elements."
+    )
+    max_in_cpu: ElementsOrZero = Field(
+        1_000_000_000, description="Elements kept in CPU memory when offloading to nvme."
+    )
+    pin_memory: bool = Field(False, description="Use page-locked CPU memory.")
+
+
+class LeafModuleConfig(_Block):
+    """DeepSpeed ``zero_optimization.leaf_module``: modules stage 3 fetches as one unit."""
+
+    classes: tuple[str, ...] = Field((), description="Module class names.")
+    names: tuple[str, ...] = Field((), description="Module names.")
+    name_suffixes: tuple[str, ...] = Field((), description="Module name suffixes.")
+
+
+# ZeRO++ (arXiv 2306.10209) and MiCS (arXiv 2205.00119) keys: accepted at their defaults, which
+# switch the features off, so DeepSpeed files that spell the defaults out still load.
+_ZERO_PLUS_PLUS_KEYS = (
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
+)
+
+
+class ZeroConfig(_Block):
+    """DeepSpeed ``zero_optimization``. Every size here counts elements, not bytes.
+
+    ``overlap_comm`` is resolved at load time: true for stage 3, false otherwise, unless given.
+    ZeRO++ / MiCS keys other than their defaults are errors: zero does not implement them.
+    """
+
+    stage: Annotated[int, BeforeValidator(_to_stage)] = Field(
+        0, description="ZeRO stage: 0 data parallel, 1 optimizer states, 2 +gradients, 3 +params."
+    )
+    contiguous_gradients: bool = Field(
+        True, description="Copy gradients into a contiguous buffer as they are produced."
+    )
+    reduce_scatter: bool = Field(
+        True, description="Average gradients with reduce-scatter instead of all-reduce."
+    )
+    reduce_bucket_size: Elements = Field(
+        500_000_000, description="Elements reduced at once (gradient bucket size)."
+    )
+    allgather_partitions: bool = Field(
+        True, description="All-gather updated partitions instead of broadcasting them."
+    )
+    allgather_bucket_size: Elements = Field(
+        500_000_000, description="Elements all-gathered at once after the optimizer step."
+    )
+    overlap_comm: bool | None = Field(
+        None,
+        validate_default=True,
+        description="Overlap gradient reduction with backward; default: true for stage 3.",
+    )
+    load_from_fp32_weights: bool = Field(
+        True, description="Restore fp32 master weights from the checkpoint, not from 16-bit ones."
+    )
+    elastic_checkpoint: bool = Field(
+        False, description="Allow loading optimizer checkpoints saved with another world size."
+    )
+    offload_optimizer: OffloadOptimizerConfig | None = Field(
+        None, description="Optimizer-state offload (ZeRO-Offload); stages 1-3."
+    )
+    offload_param: OffloadParamConfig | None = Field(
+        None, description="Parameter offload (ZeRO-Infinity); stage 3 only."
+    )
+    sub_group_size: Elements = Field(
+        1_000_000_000, description="Elements per optimizer sub-group step (stage 3)."
+    )
+    stage3_prefetch_bucket_size: ElementsOrZero = Field(
+        50_000_000, description="Elements of parameters prefetched ahead of use; 0 disables."
+    )
+    stage3_param_persistence_threshold: ElementsOrZero = Field(
+        100_000, description="Parameters with fewer elements stay unpartitioned."
+    )
+    stage3_model_persistence_threshold: ElementsOrZero = Field(
+        sys.maxsize, description="Cap on total elements of persistent parameters (unlimited)."
+    )
+    stage3_max_live_parameters: ElementsOrZero = Field(
+        1_000_000_000, description="Max elements of gathered parameters alive at once."
+    )
+    stage3_max_reuse_distance: ElementsOrZero = Field(
+        1_000_000_000,
+        description="Keep a parameter gathered if it is reused within this many elements.",
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="Gather full 16-bit weights when the model is saved."
+    )
+    stage3_module_granularity_threshold: ElementsOrZero = Field(
+        0, description="Modules below this many elements are fetched as one unit; 0 disables."
+    )
+    stage3_module_classes: tuple[str, ...] | None = Field(
+        None,
+        description="zero's own override: module class names used as stage-3 fetch units.",
+    )
+    ignore_unused_parameters: bool = Field(
+        True, description="Do not fail when some parameters get no gradient."
+    )
+    round_robin_gradients: bool = Field(
+        False, description="Round-robin gradient copies across ranks (offload)."
+    )
+    zero_hpz_partition_size: Count = Field(
+        1, description="ZeRO++ hierarchical partition size (secondary parameter shards)."
+    )
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ quantized weight all-gather.")
+    zero_quantized_nontrainable_weights: bool = Field(
+        False, description="ZeRO++ keep non-trainable weights quantized."
+    )
+    zero_quantized_gradients: bool = Field(
+        False, description="ZeRO++ quantized gradient reduce-scatter."
+    )
+    mics_shard_size: _whole(-1, "a number of ranks, or -1") = Field(
+        -1, description="MiCS shard group size; -1 disables MiCS."
+    )
+    mics_hierarchical_params_gather: bool = Field(
+        False, description="MiCS hierarchical all-gather."
+    )
+    # DeepSpeed implementation switches: how its own kernels and collectives run, not what is
+    # trained. Accepted and validated so DeepSpeed files load; zero has no such switch.
+    use_multi_rank_bucket_allreduce: bool = Field(
+        True, description="DeepSpeed: all-reduce a gradient bucket over several ranks at once."
+    )
+    compute_grad_norm: bool = Field(
+        True, description="DeepSpeed: compute the global gradient norm at stages 1-2."
+    )
+    stage3_use_all_reduce_for_fetch_params: bool = Field(
+        False, description="DeepSpeed: fetch stage-3 parameters with all-reduce, not all-gather."
+    )
+    stage3_allgather_sequential: bool = Field(
+        False, description="DeepSpeed: all-gather stage-3 parameters one by one, not bucketed."
+    )
+    legacy_stage1: bool = Field(False, description="DeepSpeed: its old stage-1 implementation.")
+    parameter_alignment: bool = Field(
+        False, description="DeepSpeed: pad flat buffers so each parameter is 16-byte aligned."
+    )
+    memory_efficient_linear: bool = Field(
+        True, description="DeepSpeed: its memory-efficient Linear at stage 3."
+    )
+    pipeline_loading_checkpoint: bool = Field(
+        False, description="DeepSpeed: load stage-3 checkpoints in pipeline mode."
+    )
+    override_module_apply: bool = Field(
+        True, description="DeepSpeed: wrap nn.Module.apply to gather stage-3 parameters."
+    )
+    log_trace_cache_warnings: bool = Field(
+        False, description="DeepSpeed: log its stage-3 trace cache invalidations."
+    )
+    enable_sanity_checks: bool = Field(False, description="DeepSpeed: its internal checks.")
+    save_muon_momentum_buffer_in_memory: bool = Field(
+        False, description="DeepSpeed: keep Muon momentum in memory under nvme offload."
+    )
+    # Acted on (engine.py, _leaf_classes and _mark_leaf_names), unlike the switches above.
+    leaf_module: LeafModuleConfig | None = Field(
+        None,
+        description="Modules fetched as one stage-3 unit: classes (added to "
+        "stage3_module_classes), module names and name suffixes.",
+    )
+    zenflow: FrozenDict | None = Field(
+        None, description="ZenFlow (stale updates of less important gradients); refused."
+    )
+
+    @field_validator("overlap_comm", mode="after")
+    @classmethod
+    def _default_overlap(cls, value: bool | None, info: ValidationInfo) -> bool:
+        # DeepSpeed's default depends on the stage: stage 3 always wants prefetch overlap.
+        if value is None:
+            return info.data.get("stage") == 3
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_zero_plus_plus(self) -> "ZeroConfig":
+        # Quantized or hierarchical collectives change the numerics and the communication
+        # pattern: a run that ignored them would not be the run the config describes.
+        fields = type(self).model_fields
+        changed = [k for k in _ZERO_PLUS_PLUS_KEYS if getattr(self, k) != fields[k].default]
+        if not changed:
+            return self
+        given = ", ".join(f"zero_optimization.{k} = {_show(getattr(self, k))}" for k in changed)
+        defaults = ", ".join(f"{k}: {_show(fields[k].default)}" for k in changed)
+        raise _cross(
+            f"{given}: zero does not implement ZeRO++ / MiCS (quantized weights or gradients, "
+            "hierarchical or MiCS-sharded communication). Remove the key"
+            f"{'s' if len(changed) > 1 else ''} or set {'them' if len(changed) > 1 else 'it'} "
+            f"to the default ({defaults}); zero then trains with full-precision collectives "
+            "over the whole data-parallel group."
+        )
+
+    @model_validator(mode="after")
+    def _refuse_zenflow(self) -> "ZeroConfig":
+        if self.zenflow is not None:
+            raise _cross(
+                f"zero_optimization.zenflow = {_show(self.zenflow)}: zero does not implement "
+                "ZenFlow, which updates the less important gradient columns late; training "
+                "without it would not be the run the config describes. Remove the key (or set "
+                "it to null)."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> "ZeroConfig":
+        opt, par = self.offload_optimizer, self.offload_param
+        if par is not None and par.device != "none" and self.stage != 3:
+            raise _cross(
+                f"zero_optimization.offload_param.device '{par.device}' needs "
+                f"zero_optimization.stage 3 (got {self.stage}); set stage 3 or remove it."
+            )
+        if opt is not None and opt.device != "none" and self.stage == 0:
+            raise _cross(
+                f"zero_optimization.offload_optimizer.device '{opt.device}' needs "
+                "zero_optimization.stage 1, 2 or 3 (got 0)."
+            )
+        for name, block in (("offload_optimizer", opt), ("offload_param", par)):
+            if block is not None and block.device == "nvme" and not block.nvme_path:
+                raise _cross(
+                    f"zero_optimization.{name}.device is 'nvme' but "
+                    f"zero_optimization.{name}.nvme_path is not set; give a directory."
+                )
+        return self
