@@ -53,8 +53,17 @@ setup(
         "zero.ops",
     ],
     package_dir={"zero": "engine", "zero.launcher": "launcher", "zero.ops": "ops"},
-    # The op sources compile on first use (JIT), so they ship with the package.
-    package_data={"zero.ops": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"]},
+    package_data={
+        # The op sources compile on first use (JIT), so they ship with the package.
+        "zero.ops": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"],
+        # zero-as-deepspeed's doorway (a directory, not a package): the thin `deepspeed`
+        # package, its dist-info and bin/deepspeed (docs/migrating-from-deepspeed.md).
+        "zero.integrations": [
+            "doorway/deepspeed/*.py",
+            "doorway/deepspeed-*.dist-info/*",
+            "doorway/bin/*",
+        ],
+    },
     install_requires=[
         # A range, never a pin: a user's own torch build (CUDA, ROCm, CPU) must stay. 2.6 is the
         # oldest torch with every API zero calls (group_src collectives); tested on 2.13.
@@ -92,6 +101,7 @@ setup(
             "zero-report=zero.ops.report:main",
             "zero-to-fp32=zero.checkpoint.zero_to_fp32:main",
             "zero-estimate=zero.planning.estimator:main",
+            "zero-as-deepspeed=zero.integrations.doorway_cli:main",
         ]
     },
     cmdclass={"build_py": BuildPyWithOps, "develop": DevelopWithOps},

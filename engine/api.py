@@ -15,6 +15,7 @@ from .comm import data_parallel_comm, init_process_group, read_launch_env
 from .config import load_config, settings_without_effect
 from .engine import Engine
 from .model_parallel.mpu import model_parallel_comm
+from .partition.ds_params import refuse_partitioned_elsewhere
 
 logger = logging.getLogger("zero")
 
@@ -58,13 +59,16 @@ def initialize(
 
     Returns (engine, optimizer, dataloader or None, lr_scheduler or None).
 
-    Collective: every rank calls it. Raises ConfigError (a ValueError) for a bad config, before
-    any state is changed.
+    Collective: every rank calls it. Raises ConfigError (a ValueError) for a bad config, and
+    ValueError for a model partitioned by another library's zero.Init (DeepSpeed's
+    deepspeed.zero.Init: its parameters carry DeepSpeed's ds_id / ds_status, not zero's), naming
+    the first such parameter, before any state is changed.
     """
     if model is None:
         raise ValueError("zero.initialize needs model=")
     source = _config_source(args, config, config_params)
     launch = read_launch_env()
+    refuse_partitioned_elsewhere(model, _global_rank(launch))
     local_rank = _local_rank(args, launch)
     auto = _auto_values(model, optimizer)
     notes: list[str] = []  # info lines of the config, logged once the handler exists
@@ -183,6 +187,12 @@ def _default_logging(rank: int) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     logger.propagate = False
+
+
+def _global_rank(launch) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return launch.rank if launch is not None else 0
 
 
 def _launch_world_size(launch) -> int:

@@ -16,6 +16,7 @@ micro-batch.
 
 import contextlib
 import enum
+import gc
 import logging
 import os
 import zlib
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 from .accelerator import Accelerator
 from .comm import Communicator, Intent
-from .monitor import StepMonitor, summary_writer_class
+from .errors import listed
+from .monitor import StepMonitor, ThroughputTimer, summary_writer_class
 from .offload import nvme, param_swap
 from .optim import build_optimizer, resolve_optimizer
 from .optim.lr_schedules import build_scheduler
@@ -72,7 +74,9 @@ class Engine(torch.nn.Module):
 
     Constructed by zero.initialize (every rank, collectively); `mpu` is a Megatron-style
     model-parallel unit when the model is tensor-parallel. `module` is the user's model, whose
-    trainable parameters now view zero's flat low-precision buffers.
+    trainable parameters now view zero's flat low-precision buffers. As DeepSpeed's engine, an
+    attribute the engine lacks is looked up on `module` (__getattr__), and destroy() detaches
+    the engine from the model.
     """
 
     def __init__(
@@ -87,11 +91,14 @@ class Engine(torch.nn.Module):
         mpu=None,
     ):
         super().__init__()
+        self._destroyed = False  # close() / destroy() ran: training calls raise
+        self._listing_state = False  # stage 3: state_dict() lists entries without gathering
         self.config = config
         self.comm = comm
         self.accelerator = accelerator
         self.module = model
         refuse_meta(model, comm.rank)  # e.g. built under torch.device("meta"), never loaded
+        _refuse_placeholders(model, comm.rank)  # laid out by another stage-3 engine
         _mark_leaf_names(model, config.zero)  # before the fingerprint, which counts leaves
         # Validate the optimizer and its param groups before any collective or device move.
         client_optimizer = optimizer is not None
@@ -126,6 +133,7 @@ class Engine(torch.nn.Module):
         except BaseException:
             snapshot.restore()  # a failed zero.initialize leaves the model as it found it
             raise
+        self._added_hooks = snapshot.added_hooks()  # what close() removes
 
     def _build(self, named_groups, optimizer, agreement, mpu) -> None:
         """Lay the model out and attach zero to it (the part of construction that changes the
@@ -225,6 +233,13 @@ class Engine(torch.nn.Module):
         if logs.enabled:
             comm.enable_timing(() if logs.prof_all else logs.prof_ops, logs.verbose)
         self.monitor.attach(comm)  # wall_clock_breakdown: reduce / all_gather from step 1
+        # DeepSpeed's engine.tput_timer: started by each training forward, stopped by step();
+        # zero's own step line reports samples/s, so the timer logs only when a script asks.
+        self.tput_timer = ThroughputTimer(
+            config.timers.throughput,
+            batch_size=config.train_batch_size,
+            steps_per_output=config.steps_per_print,
+        )
         # ----- end observability -----
 
     # ----- construction -------------------------------------------------------------------
@@ -386,11 +401,14 @@ class Engine(torch.nn.Module):
     # ----- training loop ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Run the model. With fp16.auto_cast, floating-point tensor arguments are cast to fp16."""
+        self._refuse_destroyed("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
         training = torch.is_grad_enabled() and self.module.training
         if self.phase is Phase.IDLE and training:
             self.phase = Phase.FORWARD
+        if training:
+            self.tput_timer.start()
         timer = self.monitor.timer("forward") if training else contextlib.nullcontext()
         if self.gatherer is None:
             with timer:
@@ -434,6 +452,7 @@ class Engine(torch.nn.Module):
         for one micro-batch without engine.step() in between.
         """
         del allreduce_gradients, release_loss
+        self._refuse_destroyed("backward")
         if self.phase is Phase.BACKWARD:
             if not self._step_optional:
                 raise RuntimeError(
@@ -472,6 +491,7 @@ class Engine(torch.nn.Module):
         skipped step) with `lr_kwargs` as its keyword arguments (DeepSpeed's, e.g. Megatron's
         {"increment": n}), and broadcast rank 0's floating-point buffers.
         """
+        self._refuse_destroyed("step")
         if self._no_sync:
             raise RuntimeError(
                 f"rank {self.comm.rank}: engine.step() inside engine.no_sync(); leave the "
@@ -505,6 +525,7 @@ class Engine(torch.nn.Module):
             self.global_samples += self.config.train_batch_size
             self.comm.ledger.end_step()
             self.monitor.on_step(self)
+        self.tput_timer.stop(global_step=boundary, report_speed=False)
         self._end_micro_batch()
 
     def _end_micro_batch(self) -> None:
@@ -522,6 +543,7 @@ class Engine(torch.nn.Module):
         Inside: engine.step() raises, and micro-batches are not counted toward
         gradient_accumulation_steps; each backward ends its micro-batch without a step. Not a
         collective; every rank must use it around the same micro-batches."""
+        self._refuse_destroyed("no_sync")
         stage = self.config.zero.stage
         if stage >= 2:
             raise RuntimeError(
@@ -551,6 +573,49 @@ class Engine(torch.nn.Module):
                 f"gradient_accumulation_steps), not {is_boundary!r}"
             )
         self._boundary = is_boundary
+
+    def allreduce_gradients(self, bucket_size: int = 500_000_000) -> None:
+        """DeepSpeed's engine.allreduce_gradients(bucket_size): reduce the micro-batch's gradients
+        over the data-parallel ranks. zero reduces them inside engine.backward() (stages 2-3
+        every micro-batch, stages 0-1 at the accumulation boundary; [Note: gradient lifetime]
+        in partition/stages.py), so after a backward there is nothing left to reduce and this
+        returns without communicating: a DeepSpeed script that calls it after backward trains
+        as it did there, and no gradient is reduced twice. `bucket_size` (elements, DeepSpeed's
+        default 5e8) must be a positive int; zero's buckets follow
+        zero_optimization.reduce_bucket_size instead.
+
+        Not a collective in zero. Raises RuntimeError without a backward for the current
+        micro-batch (there is no gradient to reduce), inside engine.no_sync() (the first
+        backward after the context reduces the accumulated gradients), and after destroy();
+        TypeError / ValueError for a bucket_size that is not a positive int."""
+        self._refuse_destroyed("allreduce_gradients")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
+            raise TypeError(f"allreduce_gradients: bucket_size={bucket_size!r} is not an int")
+        if bucket_size <= 0:
+            raise ValueError(
+                f"allreduce_gradients: bucket_size={bucket_size} must be a positive number of "
+                "elements"
+            )
+        if self._no_sync:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.allreduce_gradients() inside engine.no_sync(); "
+                "zero reduces the gradients accumulated there in the first backward after the "
+                "context: leave the context instead"
+            )
+        if self.phase is not Phase.BACKWARD:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.allreduce_gradients() called without "
+                "engine.backward() for this micro-batch; call it after backward (where zero "
+                "has already reduced the gradients), or drop the call"
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """DeepSpeed's engine.zero_grad(): clear the .grad of the model's parameters. Under zero
+        they hold none (gradients go into zero's buckets during backward, [Note: gradient
+        lifetime] in partition/stages.py), so this never drops gradients accumulated over the
+        micro-batches of a step; zero clears those itself after the optimizer step. Not a
+        collective."""
+        super().zero_grad(set_to_none=set_to_none)
 
     def _check_no_unmanaged_gradients(self) -> None:
         """A parameter with a .grad at the step is one zero does not manage (its hook would have
@@ -585,6 +650,8 @@ class Engine(torch.nn.Module):
         parent's finds them gathered). Collective (every rank must call it, as for
         DeepSpeed's save_16bit_model) unless they are gathered already (inside a
         zero.GatheredParameters over them, where one rank may call it alone)."""
+        if self._listing_state:
+            return
         units = self.gatherer.units_of(module.parameters())
         if any(u.state is not UnitState.GATHERED for u in units):
             if not self.config.zero.stage3_gather_16bit_weights_on_model_save:
@@ -602,7 +669,68 @@ class Engine(torch.nn.Module):
     def _release_after_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         # The returned tensors keep the gathered storage alive; the module goes back to shards
         # (units held by an enclosing zero.GatheredParameters stay gathered).
-        self.gatherer.unhold(self._state_dict_holds.pop())
+        if not self._listing_state:
+            self.gatherer.unhold(self._state_dict_holds.pop())
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save; DeepSpeed's method of
+        this name (accelerate asks it before _zero3_consolidated_16bit_state_dict)."""
+        return self.config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The model's full state dict on rank 0, as DeepSpeed's method of this name returns it:
+        an OrderedDict of every module.state_dict() key (tied names sharing one tensor) to a
+        detached CPU tensor, parameters in the compute dtype (fp32/bf16/fp16: what forward
+        uses, not the fp32 master weights), buffers as the model holds them; None on every
+        other rank. exclude_frozen_parameters=True leaves out the parameters with
+        requires_grad=False (the Hugging Face Trainer passes it for peft models at stage 3).
+
+        Stage 3 streams it bucket by bucket ([Note: streamed 16-bit state dict] in
+        checkpoint/full_state.py): no rank's device holds the model, rank 0's host holds it
+        once. It does not read stage3_gather_16bit_weights_on_model_save (DeepSpeed's does not
+        either: accelerate checks zero_gather_16bit_weights_on_model_save() first). DeepSpeed
+        raises ValueError below stage 3; zero returns the same state dict at every stage.
+
+        Collective at stage 3: every rank must call it, with the same
+        exclude_frozen_parameters (RankMismatchError otherwise); below stage 3 it communicates
+        nothing. Raises RuntimeError after destroy()."""
+        from .checkpoint.full_state import full_state_dict
+
+        self._refuse_destroyed("_zero3_consolidated_16bit_state_dict")
+        exclude = bool(exclude_frozen_parameters)
+        if self.gatherer is not None:  # the stage-3 state dict, gathered: ranks must agree
+            self._enter("state_dict() (stage 3)", int(exclude))
+        self._listing_state = True  # keys and tensors, not gathered values
+        try:
+            entries = self.module.state_dict(keep_vars=True)
+        finally:
+            self._listing_state = False
+        return full_state_dict(self, entries, exclude)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """DeepSpeed's name for the same state dict (it also covers AutoTP, which zero refuses):
+        _zero3_consolidated_16bit_state_dict. Collective."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's engine.empty_partition_cache(): at stage 3, release every gathered unit
+        that is neither persistent nor held (by zero.GatheredParameters or a state_dict() under
+        way), e.g. after generation with engine.module, then give cached device memory back
+        (gc.collect, torch.cuda.empty_cache). Between engine(...) and engine.backward() the
+        units kept for backward are released too (backward all-gathers them again) and those
+        pinned until the end of backward stay. Stages 0-2 gather nothing: no-op.
+
+        Not a collective: releasing frees this rank's buffers (after waiting for a prefetch in
+        flight)."""
+        if self.gatherer is None or self._destroyed:
+            return
+        force = self.phase is Phase.IDLE  # no backward is waiting for a pinned unit
+        for unit in self.gatherer.units:
+            if unit.state is not UnitState.SHARDED:
+                self.gatherer.release(unit, force=force)
+        gc.collect()
+        if self.accelerator.is_cuda:
+            torch.cuda.empty_cache()
 
     def _enter(self, method: str, arguments: int = 0) -> None:
         """Check that every rank calls collective method `method` with equal `arguments` (a
@@ -620,6 +748,7 @@ class Engine(torch.nn.Module):
         """
         from safetensors.torch import save_file
 
+        self._refuse_destroyed("save_16bit_model")
         self._enter("save_16bit_model")
         state = self.module.state_dict()
         if self.comm.rank != 0:
@@ -653,22 +782,39 @@ class Engine(torch.nn.Module):
         """
         from .checkpoint import hf
 
+        self._refuse_destroyed("save_pretrained")
         return hf.save_pretrained(self, save_dir, max_shard_size, dtype)
 
     # ----- checkpoints (engine/checkpoint/) --------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
-        """Write a sharded checkpoint to save_dir/tag (default tag: global_step{N}).
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state=None,
+        save_latest=True,
+        exclude_frozen_parameters=False,
+    ) -> str:
+        """Write a sharded checkpoint to save_dir/tag (default tag: global_step{N}); DeepSpeed's
+        signature.
 
-        Collective: every rank must call it. Each rank writes only the fp32 master weights and
-        optimizer state it owns (safetensors); rank 0 adds meta.json and the unpartitioned
-        tensors. The write is atomic: `latest` names the new tag only once every file is complete.
-        Raises CheckpointError (a ValueError) when client_state is not JSON-serializable, before
-        anything is written. Returns the checkpoint directory.
+        Collective: every rank must call it, with the same exclude_frozen_parameters. Each rank
+        writes only the fp32 master weights and optimizer state it owns (safetensors); rank 0
+        adds meta.json and the unpartitioned tensors. exclude_frozen_parameters=True leaves the
+        frozen parameters (requires_grad=False; a peft model's base weights) out and records
+        their names in meta.json; loading the checkpoint keeps the model's own values for them
+        ([Note: frozen parameters left out] in checkpoint/format.py). The write is atomic:
+        `latest` names the new tag only once every file is complete. Raises CheckpointError (a
+        ValueError) when client_state is not JSON-serializable, before anything is written;
+        RuntimeError after destroy(). Returns the checkpoint directory.
         """
         from . import checkpoint
 
-        self._enter("save_checkpoint")
-        return checkpoint.save(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
+        self._refuse_destroyed("save_checkpoint")
+        exclude = bool(exclude_frozen_parameters)
+        self._enter("save_checkpoint", int(exclude))
+        return checkpoint.save(
+            self, os.fspath(save_dir), tag, client_state or {}, save_latest, exclude
+        )
 
     def load_checkpoint(
         self,
@@ -693,6 +839,7 @@ class Engine(torch.nn.Module):
         """
         from . import checkpoint
 
+        self._refuse_destroyed("load_checkpoint")
         load_dir = os.fspath(load_dir)
         nothing = tag is None and not os.path.lexists(os.path.join(load_dir, checkpoint.LATEST))
         self._enter("load_checkpoint", int(nothing))
@@ -720,10 +867,76 @@ class Engine(torch.nn.Module):
         )
 
     def close(self) -> None:
-        """Remove what this engine keeps outside the process (nvme offload's swap files under
-        nvme_path). Idempotent; the engine cannot step afterwards. Garbage collection of the
-        engine and interpreter exit do the same. Not a collective."""
+        """Detach the engine from the model and release what it holds; DeepSpeed's destroy()
+        is the same call. Not a collective; idempotent.
+
+        - removes every hook zero added to the model and its parameters (forward, state_dict
+          and gradient hooks), so the model no longer refers to the engine; at stage 3 the
+          load_state_dict guard stays (see below);
+        - stage 3: releases every gathered unit but the persistent one (and units a
+          zero.GatheredParameters still holds);
+        - drops gradients accumulated for a step that has not come;
+        - removes nvme offload's swap files (garbage collection of the engine and interpreter
+          exit do that too) and closes the monitors' files.
+
+        Afterwards forward, backward, step, no_sync, allreduce_gradients, the checkpoint and
+        save methods raise RuntimeError; the fp32 master weights and optimizer state are freed
+        with the engine and the optimizer zero.initialize returned. Stages 0-2: engine.module
+        keeps its current weights (compute dtype) and works as a plain module. Stage 3: its
+        parameters stay partitioned (0-element placeholders; their values lived in the
+        engine's shards), so save what you need first (save_checkpoint, save_16bit_model,
+        _zero3_consolidated_16bit_state_dict); calling the module afterwards raises
+        RuntimeError, as does zero.initialize on it."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        keep = ("_load_state_dict_pre_hooks",) if self.gatherer is not None else ()
+        for owner, table, key in self._added_hooks:
+            if table not in keep:
+                getattr(owner, table).pop(key, None)
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+            self.module.register_forward_pre_hook(_refuse_released_forward)
+        self.optimizer.clear_gradients()
         self.optimizer.close()
+        self.monitor.close()
+
+    def destroy(self) -> None:
+        """DeepSpeed's engine.destroy(): see close(), which it calls. Not a collective."""
+        self.close()
+
+    def _refuse_destroyed(self, method: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.{method}() after engine.destroy() (or close()), "
+                "which detached the engine from its model and released its buffers; build a "
+                "new engine with zero.initialize"
+            )
+
+    def __getattr__(self, name: str):
+        """DeepSpeed's fallthrough (DeepSpeedEngine.__getattr__): a name that neither the
+        engine nor nn.Module's own lookup (parameters, buffers, submodules such as
+        engine.module) finds is looked up on the wrapped model, so
+        engine.gradient_checkpointing_enable() or engine.generate(...) reach it. The engine's
+        own attributes win (engine.config is zero's Config, not the model's config); names the
+        engine's class defines (a property that raised AttributeError) and dunder names never
+        fall through. Raises AttributeError when the model lacks the name too."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            missing = error
+        modules = self.__dict__.get("_modules")  # absent early in __init__: no recursion
+        module = modules.get("module") if modules is not None else None
+        dunder = name.startswith("__") and name.endswith("__")
+        if module is None or dunder or hasattr(type(self), name):
+            raise missing
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}', nor has its model "
+                f"({type(module).__name__})"
+            ) from None
 
     # ----- DeepSpeed-compatible queries ---------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -877,6 +1090,45 @@ class ModelSnapshot:
                 "model again (under zero.Init) before retrying",
                 lost[:5],
             )
+
+    def added_hooks(self) -> list[tuple]:
+        """(module or parameter, hook table name, key) of every hook added since the snapshot:
+        zero's, once construction succeeded (Engine.close removes them)."""
+        added = []
+        for owner, tables in self.modules + self.hooks:
+            for name in _hook_names(owner):
+                before = tables.get(name, {})
+                added += [(owner, name, key) for key in getattr(owner, name) if key not in before]
+        return added
+
+
+def _refuse_released_forward(module, args) -> None:
+    """Forward pre-hook left on a stage-3 model whose engine was destroyed (Engine.close)."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    raise RuntimeError(
+        f"rank {rank}: {type(module).__name__} was partitioned by a ZeRO stage-3 engine that was "
+        "destroyed (engine.destroy() or close()): its parameters are 0-element placeholders "
+        "and their values went with the engine; load the weights into a new model (from a "
+        "checkpoint or a state dict saved before destroy) and train it with a new engine"
+    )
+
+
+def _refuse_placeholders(model, rank: int) -> None:
+    """ValueError when parameters of `model` are a stage-3 engine's placeholders (0 elements,
+    with the full size in ds_shape): another engine lays the model out, or a destroyed one
+    took the values with it."""
+    names = [
+        name
+        for name, param in model.named_parameters()
+        if param.numel() == 0 and full_numel(param) > 0 and not is_partitioned(param)
+    ]
+    if names:
+        raise ValueError(
+            f"rank {rank}: parameters {listed(names)} of {type(model).__name__} are partitioned "
+            "by a ZeRO stage-3 engine (0-element placeholders): a model can belong to one live "
+            "engine, and a destroyed one took their values; build the model again (or load its "
+            "weights) before zero.initialize"
+        )
 
 
 _TENSOR_HOOKS = ("_post_accumulate_grad_hooks", "_backward_hooks")

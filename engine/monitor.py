@@ -77,6 +77,131 @@ class Timers:
         self.seconds = dict.fromkeys(names, 0.0)
 
 
+class ThroughputTimer:
+    """Samples per second over optimizer steps; DeepSpeed's `engine.tput_timer`
+    (deepspeed.utils.timer.ThroughputTimer), same methods, arguments and attribute names.
+
+    The engine calls start() at the beginning of every training forward and
+    stop(global_step=<accumulation boundary>) at the end of every engine.step(), so the time
+    timed is each micro-batch's forward, backward and step; loading data between micro-batches
+    is not ([Note: throughput] counts it, this timer does not, as DeepSpeed's). A start() only
+    begins timing once `start_step` optimizer steps are done (the first steps allocate and
+    compile), so avg_samples_per_sec() = batch_size / (seconds timed / optimizer steps timed),
+    batch_size being train_batch_size (samples of the whole job per optimizer step).
+
+    Args:
+        config: the config's `timers.throughput` block (`enabled`: false makes start and stop do
+            nothing; `synchronized`: wait for the CUDA device before each reading).
+        batch_size: samples per optimizer step (None counts 1).
+        start_step: optimizer steps left untimed at the start.
+        steps_per_output: stop(report_speed=True) logs every this many optimizer steps (None:
+            never).
+        monitor_memory: the logged line adds host memory and swap use in percent (psutil).
+        logging_fn: where the line goes (default: the "zero" logger's info).
+
+    Not a collective: each rank times itself.
+    """
+
+    def __init__(
+        self,
+        config,
+        batch_size,
+        start_step=2,
+        steps_per_output=None,
+        monitor_memory=False,
+        logging_fn=None,
+    ):
+        self.config = config
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.start_step = start_step
+        self.steps_per_output = steps_per_output
+        self.monitor_memory = monitor_memory
+        self.logging = logging_fn or logger.info
+        self.start_time = 0.0  # perf_counter() of the start() being timed; 0: none
+        self.end_time = 0.0
+        self.started = False
+        self.initialized = False
+        self.epoch_count = 0
+        self.micro_step_count = 0  # in this epoch
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0  # seconds, over every timed micro-step
+        self.step_elapsed_time = 0.0  # seconds, over the timed micro-steps of this step
+
+    def _synchronize(self) -> None:
+        if self.config.synchronized and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def update_epoch_count(self) -> None:
+        """A new epoch begins: the micro-step count in the log line starts again at 0."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        """Begin a micro-step; timed once start_step optimizer steps are done (a start without
+        a stop in between starts again)."""
+        if not self.config.enabled:
+            return
+        self.initialized = True
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self._synchronize()
+            self.start_time = time.perf_counter()
+
+    def stop(self, global_step=False, report_speed=True) -> None:
+        """End the micro-step start() began (nothing without one); `global_step` says it ended
+        an optimizer step. With report_speed, every steps_per_output optimizer steps, log the
+        average and this step's samples/s."""
+        if not self.config.enabled or not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if not self.start_time:
+            return
+        self._synchronize()
+        self.end_time = time.perf_counter()
+        elapsed = self.end_time - self.start_time
+        self.start_time = 0.0
+        self.total_elapsed_time += elapsed
+        self.step_elapsed_time += elapsed
+        if not global_step:
+            return
+        every = self.steps_per_output
+        if report_speed and every and self.global_step_count % every == 0:
+            self.logging(self._line())
+        self.step_elapsed_time = 0.0
+
+    def _line(self) -> str:
+        current = self.batch_size / self.step_elapsed_time if self.step_elapsed_time else 0.0
+        line = (
+            f"throughput: epoch={self.epoch_count} micro_step={self.micro_step_count} "
+            f"global_step={self.global_step_count} avg_samples/s={self.avg_samples_per_sec():.2f} "
+            f"samples/s={current:.2f}"
+        )
+        if torch.cuda.is_available():
+            line += (
+                f" mem_allocated_GiB={torch.cuda.memory_allocated() / 2**30:.2f}"
+                f" max_mem_allocated_GiB={torch.cuda.max_memory_allocated() / 2**30:.2f}"
+            )
+        if self.monitor_memory:
+            import psutil
+
+            line += (
+                f" host_memory%={psutil.virtual_memory().percent}"
+                f" swap%={psutil.swap_memory().percent}"
+            )
+        return line
+
+    def avg_samples_per_sec(self) -> float:
+        """batch_size / mean seconds of the timed optimizer steps (those after start_step); -inf
+        before any step was timed (DeepSpeed's value for none)."""
+        timed_steps = self.global_step_count - self.start_step
+        if timed_steps <= 0 or self.total_elapsed_time <= 0:
+            return float("-inf")
+        return self.batch_size / (self.total_elapsed_time / timed_steps)
+
+
 class CsvWriter:
     """csv_monitor: one plain CSV file per event, `step,value` rows, under output_path/job_name."""
 
@@ -93,6 +218,9 @@ class CsvWriter:
                 if new:
                     writer.writerow(["step", name])
                 writer.writerow([step, value])
+
+    def close(self) -> None:
+        """Nothing to close: each write opens and closes its files."""
 
 
 def summary_writer_class():
@@ -120,6 +248,9 @@ class TensorBoardWriter:
         for name, value, step in events:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def memory_in_use(device: torch.device) -> int:
@@ -218,6 +349,13 @@ class StepMonitor:
 
     def timer(self, name: str):
         return self.timers.time(name)
+
+    def close(self) -> None:
+        """Close the monitors' open files (TensorBoard's event file); later events are not
+        written. Idempotent."""
+        for writer in self.writers:
+            writer.close()
+        self.writers = []
 
     def record_loss(self, loss: torch.Tensor) -> None:
         self._losses.append(loss.detach())

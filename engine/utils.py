@@ -9,7 +9,9 @@ zero.initialize (the fetch units are chosen there):
     zero.utils.set_z3_leaf_modules(model, [MixtralSparseMoeBlock])
     engine, *_ = zero.initialize(model=model, config="configs/zero3.json")
 
-`zero_optimization.stage3_module_classes` (class names in the config) does the same.
+`set_z3_leaf_modules_by_name` and `set_z3_leaf_modules_by_suffix` mark modules by their
+`named_modules()` names instead; `zero_optimization.stage3_module_classes` and
+`zero_optimization.leaf_module` (in the config) do the same.
 
 It also holds DeepSpeed's helpers for reading and writing a trained parameter's sharded state
 (docs/checkpoints.md, "Reading and writing sharded state"): the fp32 master weight, the reduced
@@ -60,13 +62,30 @@ def log_dist(message, ranks=None, level=logging.INFO) -> None:
     logger.log(level, "[Rank %d] %s", rank, message)
 
 
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _matches(module: torch.nn.Module, classes) -> bool:
-    return any(
-        type(module).__name__ == c if isinstance(c, str) else isinstance(module, c) for c in classes
-    )
+    """An instance of a class in `classes`, or of a class named by a string there: its own
+    name (MixtralSparseMoeBlock) or its fully qualified one
+    (transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock), as DeepSpeed matches."""
+    kind = type(module)
+    for c in classes:
+        if isinstance(c, str):
+            if c in (kind.__name__, _qualified_name(kind)):
+                return True
+        elif isinstance(module, c):
+            return True
+    return False
 
 
 def _check_classes(classes) -> list:
+    if isinstance(classes, (str, type)):
+        raise TypeError(
+            f"leaf_module_classes must be a list of classes or class names, not one {classes!r}; "
+            "wrap it in a list"
+        )
     classes = list(classes)
     for c in classes:
         if not (isinstance(c, str) or (isinstance(c, type) and issubclass(c, torch.nn.Module))):
@@ -76,29 +95,131 @@ def _check_classes(classes) -> list:
     return classes
 
 
-def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes) -> list:
-    """Mark every module of `model` that is an instance of one of `leaf_module_classes`
-    (classes, or class names as strings) as a stage-3 leaf. Returns the marked modules.
-    Raises ValueError when no module matches (a misspelled class would otherwise leave the
-    model as it was). Not a collective, but every rank must mark the same modules
-    (zero.initialize checks)."""
-    classes = _check_classes(leaf_module_classes)
-    marked = [m for m in model.modules() if _matches(m, classes)]
-    if not marked:
-        names = [c if isinstance(c, str) else c.__name__ for c in classes]
-        raise ValueError(f"set_z3_leaf_modules: no module of {type(model).__name__} is a {names}")
-    for module in marked:
+def _set_leaf(module: torch.nn.Module, flag: bool) -> None:
+    if flag:
         _LEAF_MODULES.add(module)
-    return marked
-
-
-def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes) -> list:
-    """Undo set_z3_leaf_modules for the modules of those classes. Returns them."""
-    classes = _check_classes(leaf_module_classes)
-    unmarked = [m for m in model.modules() if _matches(m, classes) and is_leaf(m)]
-    for module in unmarked:
+    else:
         _LEAF_MODULES.discard(module)
-    return unmarked
+
+
+def _flag_classes(model, leaf_module_classes, flag: bool, raise_if_not_found: bool, caller: str):
+    classes = _check_classes(leaf_module_classes)
+    matched = [m for m in model.modules() if _matches(m, classes)]
+    if not matched and raise_if_not_found:
+        names = [c if isinstance(c, str) else c.__name__ for c in classes]
+        raise ValueError(
+            f"{caller}: no module of {type(model).__name__} is a {names}; check the class "
+            "names (the short name or the fully qualified one), or pass "
+            "raise_if_not_found=False"
+        )
+    for module in matched:
+        _set_leaf(module, flag)
+    return matched
+
+
+def set_z3_leaf_modules(
+    model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
+) -> list:
+    """Mark every module of `model` that is an instance of one of `leaf_module_classes` as a
+    stage-3 leaf (one fetch unit whatever its size). DeepSpeed's
+    deepspeed.utils.set_z3_leaf_modules.
+
+    Args:
+        model: the model (before zero.initialize, which chooses the fetch units).
+        leaf_module_classes: a list of nn.Module subclasses (isinstance, so subclasses match
+            too) or class names: the short name ("MixtralSparseMoeBlock") or the fully qualified
+            one ("transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock").
+        raise_if_not_found: raise when no module matches (a misspelled class would otherwise
+            leave the model as it was); False returns an empty list quietly.
+
+    Returns:
+        The marked modules, in `model.modules()` order.
+
+    Raises:
+        TypeError: an entry that is neither an nn.Module subclass nor a string.
+        ValueError: nothing matched and raise_if_not_found.
+
+    Not a collective, but every rank must mark the same modules (zero.initialize checks).
+    """
+    return _flag_classes(
+        model, leaf_module_classes, True, raise_if_not_found, "set_z3_leaf_modules"
+    )
+
+
+def unset_z3_leaf_modules(
+    model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
+) -> list:
+    """Undo set_z3_leaf_modules for every module of those classes (matched as there); returns
+    them all, leaves or not, as DeepSpeed's deepspeed.utils.unset_z3_leaf_modules does.
+    Raises ValueError when no module matches and raise_if_not_found."""
+    return _flag_classes(
+        model, leaf_module_classes, False, raise_if_not_found, "unset_z3_leaf_modules"
+    )
+
+
+def set_z3_leaf_modules_by_name(
+    model: torch.nn.Module, module_names, flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list, list]:
+    """Mark (flag True) or unmark (False) the modules named in `module_names`, names as
+    `model.named_modules()` gives them ("model.layers.0.mlp"; "" is `model` itself).
+    DeepSpeed's deepspeed.utils.set_z3_leaf_modules_by_name.
+
+    Returns:
+        (modules found, in the order of `module_names`; names that match no module).
+
+    Raises:
+        ValueError: some name matches no module and raise_if_not_found (nothing is marked).
+    """
+    by_name = dict(model.named_modules())
+    names = [module_names] if isinstance(module_names, str) else list(module_names)
+    missing = [name for name in names if name not in by_name]
+    if missing and raise_if_not_found:
+        raise ValueError(
+            f"set_z3_leaf_modules_by_name: no module of {type(model).__name__} is named "
+            f"{missing}; use names from model.named_modules(), or pass raise_if_not_found=False"
+        )
+    found = [by_name[name] for name in names if name in by_name]
+    for module in found:
+        _set_leaf(module, flag)
+    return found, missing
+
+
+def set_z3_leaf_modules_by_suffix(
+    model: torch.nn.Module, module_name_suffixes, flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list, list]:
+    """Mark (flag True) or unmark (False) every module whose `model.named_modules()` name ends
+    with one of `module_name_suffixes` ("mlp" matches "model.layers.0.mlp" and every other
+    layer's). DeepSpeed's deepspeed.utils.set_z3_leaf_modules_by_suffix.
+
+    Returns:
+        (modules matched, each once, in the order of the suffixes; suffixes that match none).
+
+    Raises:
+        ValueError: some suffix matches no module and raise_if_not_found (nothing is marked).
+    """
+    named = list(model.named_modules())
+    suffixes = (
+        [module_name_suffixes]
+        if isinstance(module_name_suffixes, str)
+        else list(module_name_suffixes)
+    )
+    found: dict[int, torch.nn.Module] = {}
+    missing = []
+    for suffix in suffixes:
+        hits = [module for name, module in named if name.endswith(suffix)]
+        if not hits:
+            missing.append(suffix)
+        for module in hits:
+            found.setdefault(id(module), module)
+    if missing and raise_if_not_found:
+        raise ValueError(
+            f"set_z3_leaf_modules_by_suffix: no module name of {type(model).__name__} ends with "
+            f"{missing}; use suffixes of names from model.named_modules(), or pass "
+            "raise_if_not_found=False"
+        )
+    for module in found.values():
+        _set_leaf(module, flag)
+    return list(found.values()), missing
 
 
 def get_z3_leaf_modules(model: torch.nn.Module) -> list:

@@ -1,7 +1,9 @@
 """zero.zero: DeepSpeed's deepspeed.zero namespace, so `import zero as deepspeed` scripts that
-call deepspeed.zero.Init, deepspeed.zero.GatheredParameters and
-deepspeed.zero.register_external_parameter find them. Init and GatheredParameters are the same
-objects as zero.Init and zero.GatheredParameters.
+call deepspeed.zero.Init, deepspeed.zero.GatheredParameters,
+deepspeed.zero.register_external_parameter and deepspeed.zero.ZeroParamStatus find them. Init and
+GatheredParameters are the same objects as zero.Init and zero.GatheredParameters; ZeroParamStatus
+is the type of the ds_status attribute zero sets on partitioned parameters
+(engine/partition/ds_params.py).
 
 [Note: external parameters]
 DeepSpeed's stage 3 gathers a module's parameters around that module's forward only, so a
@@ -18,12 +20,17 @@ import weakref
 import torch
 
 from .partition import gathered
+from .partition.ds_params import ZeroParamStatus, is_zero_param
 from .partition.gathered import GatheredParameters
 from .partition.init import Init
+from .partition.tiling import TiledLinear, TiledLinearReturnBias
 
 __all__ = [
     "GatheredParameters",
     "Init",
+    "TiledLinear",
+    "TiledLinearReturnBias",
+    "ZeroParamStatus",
     "register_external_parameter",
     "unregister_external_parameter",
 ]
@@ -59,7 +66,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     """
     _check("register_external_parameter", module, parameter)
     ours = any(p is parameter for p in module.parameters())
-    managed = hasattr(parameter, "ds_shape") or gathered.owner(parameter) is not None
+    managed = is_zero_param(parameter) or gathered.owner(parameter) is not None
     if not (ours or managed):
         raise ValueError(
             f"zero.zero.register_external_parameter: the parameter of shape "

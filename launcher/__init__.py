@@ -78,7 +78,8 @@ def plan_launches(args, layout: WorldLayout, job: JobSpec) -> tuple[list[Launch]
     all_local = all(is_local_host(node.host) for node in layout.nodes)
     if all_local and not args.force_multi and args.launcher in ("ssh", "pdsh"):
         return local_launches(layout, job), False
-    options = RemoteOptions(args.launcher, args.ssh_port, tuple(shlex.split(args.launcher_args)))
+    launcher_args = tuple(shlex.split(args.launcher_args))
+    options = RemoteOptions(args.launcher, args.ssh_port, launcher_args, not args.no_ssh_check)
     return remote_launches(layout, job, options), True
 
 

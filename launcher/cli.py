@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="set a variable on every rank (repeatable; wins over .zero_env)",
     )
     add("--force_multi", action="store_true", help="use --launcher even if all hosts are local")
+    add(
+        "--no_ssh_check",
+        action="store_true",
+        help="ssh/pdsh: do not check that every host answers over ssh before starting",
+    )
     add("--no_ssh", action="store_true", help="start only this node's agent (with --node_rank)")
     add("--node_rank", type=int, default=None, help="with --no_ssh: this node's rank")
     add("--log_dir", default=None, help="write each rank's stdout+stderr to LOG_DIR/rankR.log")

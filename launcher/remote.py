@@ -22,12 +22,14 @@ _SSH_CHECK_TIMEOUT_S = 30
 
 @dataclass(frozen=True)
 class RemoteOptions:
-    """How to reach the nodes: --launcher, --ssh_port (None: ssh's own configuration) and the
-    --launcher_args words, which go to ssh, pdsh, srun or mpirun before the remote command."""
+    """How to reach the nodes: --launcher, --ssh_port (None: ssh's own configuration), the
+    --launcher_args words, which go to ssh, pdsh, srun or mpirun before the remote command, and
+    whether ssh and pdsh check first that every host answers (off with --no_ssh_check)."""
 
     launcher: str = "ssh"
     ssh_port: int | None = None
     launcher_args: tuple[str, ...] = ()
+    ssh_check: bool = True
 
 
 class _NodeRankToken(str):
@@ -120,11 +122,12 @@ def remote_launches(layout: WorldLayout, job: JobSpec, options: RemoteOptions) -
     """The processes zrun starts for a multi-node job with ``options.launcher``.
 
     Raises:
-        ValueError: an unknown launcher, or (ssh, pdsh) a host ssh cannot reach.
+        ValueError: an unknown launcher, or (ssh, pdsh, unless options.ssh_check is off) a host
+            ssh cannot reach.
     """
     if options.launcher not in LAUNCHERS:
         raise ValueError(f"--launcher must be one of {list(LAUNCHERS)}, got {options.launcher!r}")
-    if options.launcher in ("ssh", "pdsh"):
+    if options.launcher in ("ssh", "pdsh") and options.ssh_check:
         check_ssh_reachable([node.host for node in layout.nodes], options)
     if options.launcher == "ssh":
         return [_ssh_launch(layout, node, job, options) for node in layout.nodes]

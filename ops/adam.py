@@ -79,8 +79,6 @@ class CPUAdam(torch.optim.Optimizer):
     shards only.
     """
 
-    _device_type = "cpu"
-
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
@@ -93,7 +91,7 @@ class CPUAdam(torch.optim.Optimizer):
         *,
         use_op: bool | None = None,
     ) -> None:
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+        _check_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -115,6 +113,9 @@ class CPUAdam(torch.optim.Optimizer):
     def uses_op(self) -> bool:
         """True where steps run in the compiled cpu_adam op, False on the reference."""
         return self._kernel is not adam_reference
+
+    def _check_param(self, param: torch.Tensor) -> None:
+        _check_param(param, "cpu")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -144,7 +145,7 @@ class CPUAdam(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                _check_param(param, self._device_type)
+                self._check_param(param)
                 out = low_precision_outputs.get(param)
                 if out is not None:
                     _check_low_precision_out(param, out)
@@ -176,7 +177,8 @@ class CPUAdam(torch.optim.Optimizer):
         # Large moments are advised onto huge pages before first touch (see cpu_adam.cpp,
         # [Note: huge pages]); zeros_like would touch the pages at once.
         advise = getattr(self._kernel_module, "advise_huge_pages", None)
-        if advise is None or param.numel() * param.element_size() < _HUGE_PAGE_MIN_BYTES:
+        small = param.numel() * param.element_size() < _HUGE_PAGE_MIN_BYTES
+        if advise is None or small or param.device.type != "cpu":
             return torch.zeros_like(param, memory_format=torch.contiguous_format)
         moment = torch.empty_like(param, memory_format=torch.contiguous_format)
         advise(moment)
@@ -184,22 +186,154 @@ class CPUAdam(torch.optim.Optimizer):
 
 
 class FusedAdam(CPUAdam):
-    """CPUAdam's interface for fp32 CUDA parameters: one multi-tensor kernel launch per group.
+    """DeepSpeed's deepspeed.ops.adam.FusedAdam: Adam / AdamW, fused per device kind.
 
-    Runs the compiled op fused_adam (ops/csrc/fused_adam.cu); there is no fallback, so the
-    constructor raises OpBuildError (with the reason) where CUDA or nvcc is missing. Outputs of
-    step_with_copy must be CUDA tensors of one dtype (bf16 or fp16) per group.
+    CUDA parameters (fp32, contiguous) step in the compiled op fused_adam
+    (ops/csrc/fused_adam.cu), one multi-tensor launch per group; it has no fallback, so
+    OpBuildError (with the reason) is raised where CUDA or nvcc is missing (at construction when
+    CUDA parameters are given, else at their first step). CPU parameters step through CPUAdam's
+    path with the same math, its kernel chosen at the first CPU step: fp32 ones in the compiled
+    cpu_adam op, else its pure-PyTorch reference (``adam_reference``) after one warning; bf16 /
+    fp16 ones (which DeepSpeed's kernel also takes) in fp32 through the reference, the parameter
+    and both moments (kept in the parameter's dtype, as DeepSpeed keeps them) stored back after
+    each step. Outputs of step_with_copy must be on their parameter's device; on CUDA, one dtype
+    (bf16 or fp16) per group.
+
+    Args (DeepSpeed's names and order):
+        params: tensors or param group dicts, as for torch.optim.Adam.
+        lr, betas, eps, weight_decay: as torch.optim.Adam (weight_decay default 0).
+        bias_correction: divide the moments by 1 - beta^t.
+        adam_w_mode: True (default): decoupled weight decay, torch.optim.AdamW's update;
+            False: L2 decay added to the gradient, torch.optim.Adam's.
+        amsgrad: must be False; True raises NotImplementedError (a RuntimeError, as DeepSpeed
+            raises).
+        set_grad_none: kept as DeepSpeed's attribute; zero_grad() sets gradients to None either
+            way (torch's default, which DeepSpeed's set_grad_none=False also reaches).
+        adamw_mode: keyword only, CPUAdam's spelling of adam_w_mode (the two must agree).
+        use_op: None (default): compiled ops, the CPU reference where cpu_adam cannot be built;
+            True: compiled ops only; False: the CPU reference (CUDA parameters then raise
+            ValueError, there is no CUDA reference).
+
+    Raises ValueError for out-of-range hyper-parameters; TypeError, at the step, for a CUDA
+    parameter that is not contiguous fp32 or a CPU one that is not contiguous fp32/bf16/fp16.
     """
 
-    _device_type = "cuda"
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool | None = None,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        *,
+        adamw_mode: bool | None = None,
+        use_op: bool | None = None,
+    ) -> None:
+        if amsgrad:
+            raise NotImplementedError(
+                "FusedAdam(amsgrad=True): FusedAdam has no AMSGrad variant (neither has "
+                "DeepSpeed's); use torch.optim.AdamW(amsgrad=True) instead."
+            )
+        if adam_w_mode is not None and adamw_mode is not None and adam_w_mode != adamw_mode:
+            raise ValueError(
+                f"FusedAdam: adam_w_mode={adam_w_mode} and adamw_mode={adamw_mode} disagree; "
+                "give one of them (adam_w_mode is DeepSpeed's name)."
+            )
+        mode = next((m for m in (adam_w_mode, adamw_mode) if m is not None), True)
+        self.set_grad_none = set_grad_none
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=mode,
+            bias_correction=bias_correction,
+            use_op=use_op,
+        )
+
+    @property
+    def adam_w_mode(self) -> int:
+        """DeepSpeed's attribute: 1 for decoupled weight decay (AdamW), 0 for L2."""
+        return int(self.defaults["adamw_mode"])
 
     def _select(self, use_op: bool | None) -> None:
-        if use_op is False:
-            raise ValueError("FusedAdam: use_op=False; use CPUAdam for the reference path")
-        self._fused = get_builder("fused_adam").load().adam_step
-        self._kernel = self._kernel_module = None
+        # The CUDA op loads now when CUDA parameters are given (a missing toolchain fails here,
+        # not at the first step); the CPU kernel loads at the first CPU step: zero.initialize
+        # rebinds the groups to master shards, so CPU parameters at construction (a model not
+        # yet moved to the GPU) may never step here, and cpu_adam's first build takes minutes.
+        self._use_op = use_op
+        self._fused = self._kernel_module = self._kernel = None
+        if any(p.device.type == "cuda" for group in self.param_groups for p in group["params"]):
+            self._fused_kernel()
+
+    def _fused_kernel(self) -> Callable:
+        if self._fused is None:
+            if self._use_op is False:
+                raise ValueError(
+                    "FusedAdam: use_op=False has no CUDA path (there is no CUDA reference); "
+                    "use use_op=None or True for CUDA parameters."
+                )
+            self._fused = get_builder("fused_adam").load().adam_step
+        return self._fused
+
+    def _host_kernel(self) -> Callable:
+        if self._kernel is None:
+            CPUAdam._select(self, self._use_op)
+        return self._kernel
+
+    @property
+    def uses_op(self) -> bool:
+        """True where CPU parameters step in the compiled cpu_adam op (CUDA ones always do)."""
+        return self._kernel is not None and self._kernel is not adam_reference
+
+    def _check_param(self, param: torch.Tensor) -> None:
+        if param.device.type == "cuda":
+            _check_param(param, "cuda")
+        elif param.device.type != "cpu" or param.dtype not in _FUSED_ADAM_CPU_DTYPES:
+            raise TypeError(
+                f"FusedAdam steps float32 CUDA parameters and float32 / bfloat16 / float16 CPU "
+                f"parameters, got {param.dtype} on {param.device}; move the parameter or cast "
+                "it."
+            )
+        elif not param.is_contiguous():
+            raise TypeError(
+                f"FusedAdam: CPU parameters must be contiguous, got a {tuple(param.shape)} "
+                f"{param.dtype} tensor that is not; step a contiguous copy."
+            )
 
     def _update_group(self, group: dict, items: list[tuple]) -> None:
+        on_cuda = [item for item in items if item[0].device.type == "cuda"]
+        on_host = [item for item in items if item[0].device.type != "cuda"]
+        if on_host:
+            self._update_on_host(group, on_host)
+        if on_cuda:
+            self._update_fused(group, on_cuda)
+
+    def _update_on_host(self, group: dict, items: list[tuple]) -> None:
+        kernel = self._host_kernel()
+        beta1, beta2 = group["betas"]
+        hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+        modes = (group["bias_correction"], group["adamw_mode"])
+        for param, grad, exp_avg, exp_avg_sq, step, out in items:
+            if param.dtype == torch.float32:
+                kernel(param, grad, exp_avg, exp_avg_sq, step, *hyper, *modes, out)
+                continue
+            # A 16-bit parameter: the update runs in fp32 and each tensor is stored back in its
+            # own dtype, as DeepSpeed's kernel loads, computes and stores element by element.
+            wide = [t.float() for t in (param, exp_avg, exp_avg_sq)]
+            adam_reference(wide[0], grad, wide[1], wide[2], step, *hyper, *modes)
+            for narrow, value in zip((param, exp_avg, exp_avg_sq), wide):
+                narrow.copy_(value)
+            if out is not None:
+                out.copy_(wide[0])
+
+    def _update_fused(self, group: dict, items: list[tuple]) -> None:
+        fused = self._fused_kernel()
         # Parameters join one launch per (step, has output): their bias corrections agree.
         buckets: dict[tuple[int, bool], list[tuple]] = {}
         for item in items:
@@ -207,13 +341,16 @@ class FusedAdam(CPUAdam):
         beta1, beta2 = group["betas"]
         for (step, has_out), bucket in buckets.items():
             columns = list(zip(*bucket))
-            self._fused(
+            fused(
                 list(columns[0]), list(columns[1]), list(columns[2]), list(columns[3]), step,
                 group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                 group["bias_correction"], group["adamw_mode"],
                 list(columns[5]) if has_out else None,
                 torch.cuda.current_stream(columns[0][0].device).cuda_stream,
             )  # fmt: skip
+
+
+_FUSED_ADAM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _select_module(use_op: bool | None) -> ModuleType | None:
@@ -224,16 +361,16 @@ def _select_module(use_op: bool | None) -> ModuleType | None:
 
 
 def _check_hyperparameters(
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    name: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> None:
     if lr < 0.0:
-        raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
+        raise ValueError(f"{name}: lr must be >= 0, got {lr}")
     if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-        raise ValueError(f"CPUAdam: betas must be two values in [0, 1), got {betas}")
+        raise ValueError(f"{name}: betas must be two values in [0, 1), got {betas}")
     if eps < 0.0:
-        raise ValueError(f"CPUAdam: eps must be >= 0, got {eps}")
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
     if weight_decay < 0.0:
-        raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {weight_decay}")
+        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
 
 
 def _check_param(param: torch.Tensor, device_type: str) -> None:

@@ -1,13 +1,17 @@
 """Every public path scripts and docs use still resolves (docs/architecture.md: the package is
 grouped by concept, and the names users import do not move with it)."""
 
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import zero
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # zero.X, zero.<module>.X: what README.md, docs/ and DeepSpeed-style scripts name.
 PUBLIC = [
@@ -28,6 +32,12 @@ PUBLIC = [
     "zero.config.load_config",
     "zero.config.ZeroConfig",
     "zero.config.settings_without_effect",
+    "zero.config.DeepSpeedConfig",
+    "zero.config.OffloadDeviceEnum",
+    "zero.config.ConfigNotImplementedError",
+    "zero.config.FP16Config",
+    "zero.config.OffloadParamConfig",
+    "zero.accelerator.get_accelerator",
     "zero.checkpoint.consolidate",
     "zero.checkpoint.save_consolidated",
     "zero.checkpoint.ConsolidatedReader",
@@ -64,6 +74,11 @@ PUBLIC = [
     "zero.zero.GatheredParameters",
     "zero.zero.register_external_parameter",
     "zero.zero.unregister_external_parameter",
+    "zero.zero.ZeroParamStatus",
+    "zero.zero.TiledLinear",
+    "zero.utils.set_z3_leaf_modules_by_name",
+    "zero.utils.set_z3_leaf_modules_by_suffix",
+    "zero.lr_schedules.VALID_LR_SCHEDULES",
     "zero.utils.logger",
     "zero.utils.log_dist",
     "zero.utils.set_z3_leaf_modules",
@@ -165,3 +180,60 @@ def test_zero_imports_without_torch():
     code = "import sys, zero, zero.launcher; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False", result.stderr
+
+
+PACKAGES = {"engine": "zero", "launcher": "zero.launcher", "ops": "zero.ops"}
+
+
+def _zero_imports(folder: Path):
+    """(file, line, module) for every import of a zero module in folder's Python files."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        package = ".".join([PACKAGES[folder.name], *path.relative_to(folder).parent.parts])
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against the module's own package
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                names = [base]
+            else:
+                continue
+            found += [(path, node.lineno, n) for n in names if n == "zero" or n.startswith("zero.")]
+    return found
+
+
+@pytest.mark.parametrize("folder, own", [("launcher", "zero.launcher"), ("ops", "zero.ops")])
+def test_launcher_and_ops_import_nothing_of_the_engine(folder, own):
+    """zrun starts without torch and the ops build without the engine: launcher/ and ops/ import
+    only themselves (lint-imports sees engine/ only; docs/architecture.md, Layers)."""
+    outside = [
+        f"{p}:{line} {m}" for p, line, m in _zero_imports(ROOT / folder) if not m.startswith(own)
+    ]
+    assert not outside, outside
+
+
+def test_engine_reaches_launcher_and_ops_only_where_the_layers_allow():
+    """Of the launcher, the engine reads only the SLURM node-list parser (comm/launch.py); the
+    ops are used from the offload layer up."""
+    above_ops = ("zero.offload", "zero.partition", "zero.planning", "zero.checkpoint")
+    top = (
+        "zero.engine",
+        "zero.api",
+        "zero.utils",
+        "zero.zero",
+        "zero.monitor",
+        "zero.integrations",
+    )
+    wrong = []
+    for path, line, module in _zero_imports(ROOT / "engine"):
+        importer = "zero." + ".".join(path.relative_to(ROOT / "engine").with_suffix("").parts)
+        if importer.startswith("zero.integrations"):
+            continue  # the top layer may import anything
+        if module.startswith("zero.launcher") and module != "zero.launcher.nodelist":
+            wrong.append(f"{path}:{line} {module}")
+        if module.startswith("zero.ops") and not importer.startswith(above_ops + top):
+            wrong.append(f"{path}:{line} {module}")
+    assert not wrong, wrong

@@ -2,8 +2,9 @@
 
 Owns: zero's checkpoint format (meta.json + safetensors shards per rank), the atomic writer, the
 verifying reader (every rank checks before any state changes), consolidation into one fp32
-state dict (`zero-to-fp32`), and Hugging Face save_pretrained directories. One module each,
-lower ones first (a module imports only those above it in this list):
+state dict (`zero-to-fp32`), Hugging Face save_pretrained directories, and the full 16-bit state
+dict that accelerate and the Trainer save. One module each, lower ones first (a module imports
+only those above it in this list):
     format.py          file names, CheckpointError, tags, the meta.json schema, dtype tables
     ownership.py       which engine tensors go to which file; ranges in group coordinates
     files.py           creating, fsyncing, checksumming and publishing files; stale leftovers
@@ -14,6 +15,8 @@ lower ones first (a module imports only those above it in this list):
     consolidation.py   ConsolidatedReader, consolidate, save_consolidated
     safetensors_io.py  Hugging Face's safetensors layout, read in parts and written as a stream
     hf.py              load into a partitioned model, export from one (save_pretrained)
+    full_state.py      the full state dict in the compute dtype, gathered bucket by bucket
+                       (DeepSpeed's _zero3_consolidated_16bit_state_dict)
     zero_to_fp32.py    the zero-to-fp32 CLI and DeepSpeed's zero_to_fp32 functions
 May import: zero.partition and everything below it.
 """

@@ -7,7 +7,8 @@ Layout of one checkpoint, `save_dir/<tag>/`:
                             optimizer hyper-parameters, client_state, file sizes and crc32s
     rank<r>.safetensors     rank r: its owned fp32 master weights and optimizer moments, one
                             1-D tensor per (param group, kind), plus its RNG state
-    module.safetensors      rank 0: what ZeRO does not partition (frozen parameters, buffers)
+    module.safetensors      rank 0: what ZeRO does not partition (frozen parameters, unless
+                            the save left them out, and buffers)
 
 and `save_dir/latest` names the newest tag. No pickle is involved: tensors go through
 safetensors, everything else is JSON.
@@ -81,6 +82,18 @@ def optimizer_name(optimizer) -> str:
         return "AdamW" if optimizer.param_groups[0]["adamw_mode"] else "Adam"
     return name
 
+
+# [Note: frozen parameters left out]
+# save_checkpoint(exclude_frozen_parameters=True) (DeepSpeed's keyword; the Hugging Face Trainer
+# passes it for peft models) writes no frozen parameter (requires_grad=False) into
+# module.safetensors and lists their names in meta.json's `excluded_frozen`: a LoRA run's
+# checkpoint then holds the adapters, not the base model (which, at stage 3, is also not
+# all-gathered for the save). Loading such a checkpoint keeps the model's current value of each
+# listed parameter (the pretrained weights it was built with) when that parameter is frozen in
+# the loading model too, with or without load_module_strict, and logs which ones it kept. A
+# listed name that the loading model trains, or a frozen parameter missing from a checkpoint
+# that does not list it, stays a "missing keys" CheckpointError (with load_module_strict=True;
+# strict=False keeps current values for missing frozen parameters and buffers, as before).
 
 # ----- meta.json schema -----------------------------------------------------------------------
 # [Note: meta.json schema] Every key meta.json must have, with its JSON type; read_meta
@@ -158,6 +171,8 @@ class _Meta(_Schema):
     files: dict[_FileName, _Count]
     crc32: dict[_FileName, _Crc32] | None = None  # absent in checkpoints of older versions
     frozen: list[str] | None = None  # absent in checkpoints of older versions
+    # [Note: frozen parameters left out]; absent unless the save passed exclude_frozen_parameters
+    excluded_frozen: list[str] | None = None
 
     @field_validator("python_rng")
     @classmethod

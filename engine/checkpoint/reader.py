@@ -16,6 +16,7 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 
+from ..errors import listed
 from ..progress import progress
 from .agreement import _on_every_rank
 from .format import (
@@ -234,11 +235,19 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
     every rank (and the ranks agree on it) before any engine state changes."""
     load_optimizer = load_optimizer and not module_only
     load_scheduler = load_scheduler and not module_only
-    path, meta, reader, owned, kinds, module_values, rng = _on_every_rank(
+    path, meta, reader, owned, kinds, module_values, rng, kept = _on_every_rank(
         engine,
         f"verify the checkpoint in {load_dir}",
         lambda: _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler),
     )
+    if kept and engine.comm.rank == 0:
+        logger.info(
+            "load_checkpoint: %s was saved with exclude_frozen_parameters=True; the %d frozen "
+            "parameters it left out keep this model's current values: %s",
+            path,
+            len(kept),
+            listed(kept),
+        )
     # Verified: from here on state changes. Values are read straight into their destinations.
     with torch.no_grad():
         _read_shards(engine, meta, reader, owned, kinds, load_optimizer)
@@ -280,8 +289,8 @@ def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
             files.add(rank_file(engine.comm.rank))  # its RNG state
         verify_checksums(path, meta, files)
     laid_out = _laid_out_ids(engine)
-    module_values, module_problems = _read_module_file(path, engine, laid_out, strict)
-    problems = layout_problems + module_problems
+    module_values, module_problems, kept = _read_module_file(path, engine, laid_out, strict, meta)
+    problems = layout_problems + module_problems + _trained_but_excluded(meta, slots)
     if problems:
         raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
     current = optimizer_name(engine.optimizer.optimizer)
@@ -298,7 +307,21 @@ def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
         for kind in kinds:
             reader.check(group, kind, lo, hi)
     rng = _read_rng(path, meta, engine.comm.rank)
-    return path, meta, reader, owned, kinds, module_values, rng
+    return path, meta, reader, owned, kinds, module_values, rng, kept
+
+
+def _trained_but_excluded(meta: dict, slots: list[list]) -> list[str]:
+    """Parameters the checkpoint left out as frozen that this run trains ([Note: frozen
+    parameters left out] in format.py): their values are nowhere."""
+    trained = {slot.name for group in slots for slot in group}
+    names = sorted(trained.intersection(meta.get("excluded_frozen") or ()))
+    if not names:
+        return []
+    return [
+        f"{META}: {listed(names)} were left out as frozen parameters (the save passed "
+        "exclude_frozen_parameters=True), but this run trains them; freeze them "
+        "(requires_grad_(False)) before zero.initialize, or load a checkpoint that holds them"
+    ]
 
 
 def _full_shape(engine, tensor) -> tuple:
@@ -307,9 +330,11 @@ def _full_shape(engine, tensor) -> tuple:
     return tuple(tensor.shape) if shape is None else tuple(shape)
 
 
-def _read_module_file(path: str, engine, laid_out: set[int], strict: bool):
-    """([(tensor, saved value)], problems) for every tensor ZeRO does not lay out (frozen and
-    empty parameters, buffers), checked against module.safetensors."""
+def _read_module_file(path: str, engine, laid_out: set[int], strict: bool, meta: dict):
+    """([(tensor, saved value)], problems, kept names) for every tensor ZeRO does not lay out
+    (frozen and empty parameters, buffers), checked against module.safetensors. Kept: the frozen
+    parameters the checkpoint left out that are frozen here too ([Note: frozen parameters left
+    out] in format.py), which keep their current values."""
     handle = _open(path, MODULE_FILE)
     targets, seen = {}, set()
     for name, tensor in _module_tensors(engine.module):
@@ -317,6 +342,17 @@ def _read_module_file(path: str, engine, laid_out: set[int], strict: bool):
             seen.add(id(tensor))
             targets[name] = tensor
     saved = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
+    excluded = set(meta.get("excluded_frozen") or ())
+    kept = [
+        name
+        for name, tensor in targets.items()
+        if name in excluded
+        and name not in saved
+        and isinstance(tensor, torch.nn.Parameter)
+        and not tensor.requires_grad
+    ]
+    for name in kept:
+        del targets[name]
     problems = _differences(saved, {n: _full_shape(engine, t) for n, t in targets.items()})
     if not strict:
         problems = [p for p in problems if "shape" in p]
@@ -327,7 +363,7 @@ def _read_module_file(path: str, engine, laid_out: set[int], strict: bool):
     values = [
         (tensor, handle.get_tensor(name)) for name, tensor in targets.items() if name in saved
     ]
-    return values, [f"{MODULE_FILE}: {p}" for p in problems]
+    return values, [f"{MODULE_FILE}: {p}" for p in problems], kept
 
 
 def _read_rng(path, meta, rank):

@@ -11,7 +11,7 @@ ShardedWriter writes the format itself (the safetensors package writes whole dic
 "__metadata__" {"format": "pt"} padded with spaces to a multiple of 8 bytes, then every tensor's
 bytes in header order. The entries (name, shape, dtype) are fixed up front, so each file's header
 is written when the file is opened and the values follow one at a time: the writer holds no
-tensor. The files are checked by safetensors' reader in tests/test_hf_pretrained.py.
+tensor. The files are checked by safetensors' reader in tests/checkpoint/test_hf_pretrained.py.
 """
 
 import json

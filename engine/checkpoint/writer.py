@@ -42,8 +42,18 @@ from .ownership import _group_slots, _laid_out_ids, _module_tensors, _written_sh
 logger = logging.getLogger("zero")
 
 
-def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_latest: bool) -> str:
+def save(
+    engine,
+    save_dir: str,
+    tag: str | None,
+    client_state: Mapping,
+    save_latest: bool,
+    exclude_frozen: bool = False,
+) -> str:
     """Write a checkpoint; see Engine.save_checkpoint. Returns the checkpoint directory.
+
+    `exclude_frozen` leaves the frozen parameters (requires_grad=False) out of module.safetensors
+    and lists their names in meta.json's `excluded_frozen` ([Note: frozen parameters left out]).
 
     Collective. Raises CheckpointError on every rank (before anything is written) for a bad tag
     or client_state, and on every rank when any rank fails to write (the failing rank raises
@@ -60,13 +70,18 @@ def save(engine, save_dir: str, tag: str | None, client_state: Mapping, save_lat
     tmp = final + ".tmp"
     _on_rank_0(engine, f"prepare {tmp}", lambda: _prepare(save_dir, tag))
     try:
-        # Stage 3 partitions frozen parameters too: rank 0 gathers them for module.safetensors.
-        frozen = engine.frozen.full_values() if engine.frozen is not None else {}
-        written = _on_every_rank(engine, f"write {tmp}", lambda: _write_files(engine, tmp, frozen))
+        excluded = dict(_frozen_params(engine)) if exclude_frozen else None
+        # Stage 3 partitions frozen parameters too: rank 0 gathers them for module.safetensors
+        # (unless they are all left out).
+        gather = engine.frozen is not None and not exclude_frozen
+        frozen = engine.frozen.full_values() if gather else {}
+        written = _on_every_rank(
+            engine, f"write {tmp}", lambda: _write_files(engine, tmp, frozen, excluded or {})
+        )
         files, crcs = _gather_files(engine, written)
 
         def publish():
-            meta = _meta(engine, tag, dict(client_state), scheduler_state, files, crcs)
+            meta = _meta(engine, tag, dict(client_state), scheduler_state, files, crcs, excluded)
             _finish(meta, save_dir, tag, save_latest)
 
         _on_rank_0(engine, f"publish {final}", publish)
@@ -168,10 +183,10 @@ def _scheduler_state(engine):
     return state
 
 
-def _write_files(engine, directory: str, frozen: dict) -> dict:
+def _write_files(engine, directory: str, frozen: dict, excluded: dict) -> dict:
     written = {rank_file(engine.comm.rank): _write_rank_file(engine, directory)}
     if engine.comm.rank == 0:
-        written[MODULE_FILE] = _write_module_file(engine, directory, frozen)
+        written[MODULE_FILE] = _write_module_file(engine, directory, frozen, excluded)
     return written
 
 
@@ -231,11 +246,13 @@ def _write_rank_file(engine, directory: str) -> tuple[int, str]:
     return _write_shard(tensors, os.path.join(directory, rank_file(engine.comm.rank)))
 
 
-def _write_module_file(engine, directory: str, frozen: dict) -> tuple[int, str]:
+def _write_module_file(engine, directory: str, frozen: dict, excluded: dict) -> tuple[int, str]:
     """module.safetensors: frozen and empty parameters and buffers; `frozen` maps id(param) to
-    the full value of a stage-3 partitioned frozen parameter."""
+    the full value of a stage-3 partitioned frozen parameter; the parameters of `excluded`
+    (name -> frozen parameter) are left out."""
     laid_out = _laid_out_ids(engine)
-    tensors, seen = {}, set()
+    seen = {id(param) for param in excluded.values()}
+    tensors = {}
     for name, tensor in _module_tensors(engine.module):
         if id(tensor) in laid_out or id(tensor) in seen:
             continue
@@ -244,7 +261,12 @@ def _write_module_file(engine, directory: str, frozen: dict) -> tuple[int, str]:
     return _write_shard(tensors, os.path.join(directory, MODULE_FILE))
 
 
-def _meta(engine, tag: str, client_state: dict, scheduler_state, files: dict, crcs: dict) -> dict:
+def _meta(
+    engine, tag: str, client_state: dict, scheduler_state, files: dict, crcs: dict, excluded
+) -> dict:
+    """meta.json's contents; `excluded`: name -> frozen parameter left out of the checkpoint, or
+    None when the save did not ask for that (then meta.json has no `excluded_frozen`)."""
+    left_out = {id(param) for param in (excluded or {}).values()}
     optimizer = engine.optimizer.optimizer
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     ranks = {}
@@ -252,7 +274,7 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, files: dict, cr
         shard = _written_shard(engine.optimizer.layout, rank)
         ranges = {} if shard is None else owned_ranges(engine.optimizer.buckets, shard)
         ranks[str(rank)] = {str(g): [[lo, hi] for lo, hi, _ in r] for g, r in ranges.items()}
-    return {
+    meta = {
         "format": FORMAT,
         "tag": tag,
         "config": engine.config.to_dict(),
@@ -263,7 +285,7 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, files: dict, cr
             [{"name": s.name, "shape": list(s.shape)} for s in slots]
             for slots in _group_slots(engine)
         ],
-        "ties": _ties(engine.module),
+        "ties": _ties(engine.module, left_out),
         "ranks": ranks,
         "optimizer": optimizer_name(engine.optimizer.optimizer),
         "sharded_state": _sharded_state_keys(engine),
@@ -281,28 +303,34 @@ def _meta(engine, tag: str, client_state: dict, scheduler_state, files: dict, cr
         "client_state": client_state,
         "files": files,
         "crc32": crcs,
-        "frozen": _frozen_names(engine),
+        "frozen": [name for name, param in _frozen_params(engine) if id(param) not in left_out],
     }
+    if excluded is not None:
+        meta["excluded_frozen"] = list(excluded)
+    return meta
 
 
-def _frozen_names(engine) -> list[str]:
-    """The names module.safetensors holds frozen parameters under (requires_grad=False; each
-    tensor under its first name), so consolidation can leave them out without the model."""
-    laid_out, seen, names = _laid_out_ids(engine), set(), []
+def _frozen_params(engine) -> list[tuple[str, object]]:
+    """(first name, parameter) of each frozen parameter (requires_grad=False), each once: those
+    ZeRO does not lay out as trained, which module.safetensors holds unless left out."""
+    laid_out, seen, frozen = _laid_out_ids(engine), set(), []
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         if id(param) in laid_out or id(param) in seen:
             continue
         seen.add(id(param))
         if not param.requires_grad:
-            names.append(name)
-    return names
+            frozen.append((name, param))
+    return frozen
 
 
-def _ties(module) -> dict[str, str]:
-    """Names that alias another parameter or buffer: alias -> the first (canonical) name."""
+def _ties(module, excluded_ids=frozenset()) -> dict[str, str]:
+    """Names that alias another parameter or buffer: alias -> the first (canonical) name; tensors
+    whose id is in `excluded_ids` (left out of the checkpoint) have none."""
     first: dict[int, str] = {}
     ties = {}
     for name, tensor in _module_tensors(module):
+        if id(tensor) in excluded_ids:
+            continue
         if id(tensor) in first:
             ties[name] = first[id(tensor)]
         else:

@@ -10,7 +10,7 @@ Owns, one module each, lowest first (a module imports only modules listed above 
                      engine, and Handle, the pair of an asynchronous collective
     deepspeed.py     DeepSpeed's names for scripts: `from zero import comm as dist` (get_rank,
                      all_reduce, ..., destroy_process_group, init_distributed), not counted
-May import: zero.config, zero.errors, zero.accelerator, zero.launcher.nodelist.
+May import: zero.config and everything below it, and of the launcher zero.launcher.nodelist.
 """
 
 from .agreement import (

@@ -2,8 +2,10 @@
 
 Owns: the pydantic schema (one model per block, every field described, unknown keys refused with a
 "did you mean" hint), the file loaders (JSON, hjson, YAML), DeepSpeed's deprecated and
-unsupported keys, and the resolution of "auto" values and the batch-size triple.
+unsupported keys, the resolution of "auto" values and the batch-size triple, and DeepSpeed's
+config names for scripts (DeepSpeedConfig, OffloadDeviceEnum).
 May import: zero.errors only (and torch, pydantic, hjson, PyYAML).
+Every block's model is exported here, as before the package was split.
 
 Modules, lowest first (each imports only modules above it in this list):
   values.py             value types of fields (element / byte counts, dtypes, ...) and _Block
@@ -14,18 +16,56 @@ Modules, lowest first (each imports only modules above it in this list):
   deepspeed_keys.py     DeepSpeed's deprecated names, unsupported blocks and their warnings
   auto.py               "auto" values and the batch-size triple
   load.py               load_config (runs the steps in order) and settings_without_effect
+  deepspeed_config.py   DeepSpeedConfig: a loaded config under DeepSpeed's attribute names
 """
 
-from .errors import ConfigError
+from .deepspeed_config import DeepSpeedConfig
+from .errors import ConfigError, ConfigNotImplementedError
 from .load import load_config, settings_without_effect
-from .schema import ActivationCheckpointingConfig, AioConfig, Config
-from .zero_optimization import ZeroConfig
+from .schema import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    Config,
+    DataTypesConfig,
+    FlopsProfilerConfig,
+    FP16Config,
+    MonitorConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TensorParallelConfig,
+    TorchAutocastConfig,
+    WandbConfig,
+)
+from .values import OffloadDeviceEnum
+from .zero_optimization import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "ActivationCheckpointingConfig",
     "AioConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "CometConfig",
+    "CommsLoggerConfig",
     "Config",
     "ConfigError",
+    "ConfigNotImplementedError",
+    "DataTypesConfig",
+    "DeepSpeedConfig",
+    "FlopsProfilerConfig",
+    "FP16Config",
+    "MonitorConfig",
+    "OffloadDeviceEnum",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TensorParallelConfig",
+    "TorchAutocastConfig",
+    "WandbConfig",
     "ZeroConfig",
     "load_config",
     "settings_without_effect",

@@ -1,8 +1,9 @@
 """DeepSpeed's renamed and deprecated keys, and the blocks of its subsystems zero does not have.
 
 Owns the rewrite of deprecated DeepSpeed names to current ones in raw data (each with a
-``FutureWarning``, DeepSpeed's unprefixed names of the stage3_ keys included) and the one
-``UserWarning`` per accepted-but-unsupported block (amp, pipeline, ...) that is enabled.
+``FutureWarning``, DeepSpeed's unprefixed names of the stage3_ keys included), keys DeepSpeed
+ignores in some settings (offload_param below stage 3, dropped with one ``UserWarning``) and the
+one ``UserWarning`` per accepted-but-unsupported block (amp, pipeline, ...) that is enabled.
 Warnings point at the first frame outside zero.config, the caller's code.
 """
 
@@ -138,6 +139,30 @@ def _map_deprecated(data: dict[str, Any], where: str) -> dict[str, Any]:
             if isinstance(zero.get(name), dict):
                 zero[name].setdefault("pin_memory", pin)
     return data
+
+
+def _ignore_param_offload(config: Config, where: str, *, warn: bool) -> Config:
+    """``config`` without zero_optimization.offload_param when the stage is below 3.
+
+    DeepSpeed reads offload_param only at stage 3 and ignores it below (DeepSpeed-Chat's
+    --offload sets it at every stage), so a config that loads in DeepSpeed loads here with the
+    same meaning: parameters stay on the device. With ``warn``, one UserWarning names the key.
+    A block whose device is "none" asks for nothing and is kept without a word.
+    """
+    block = config.zero.offload_param
+    if block is None or block.device == "none" or config.zero.stage == 3:
+        return config
+    if warn:
+        warnings.warn(
+            f"{where}zero_optimization.offload_param (device '{block.device}') is ignored at "
+            f"zero_optimization.stage {config.zero.stage}: parameters are offloaded at stage 3 "
+            "only, as in DeepSpeed; they stay on the device. Set stage 3 to offload them, or "
+            "remove the block.",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+    zero = config.zero.model_copy(update={"offload_param": None})
+    return config.model_copy(update={"zero_optimization": zero})
 
 
 def _warn_unsupported(config: Config, where: str) -> None:

@@ -1,8 +1,9 @@
 """How config problems are reported: ``ConfigError`` and the text of its messages.
 
 Owns the exception every loading step raises, how a value is shown in a message (``_show``),
-the pydantic errors the blocks' validators raise for cross-field rules and refused DeepSpeed
-values (``_cross``, ``_refused``), and the translation of pydantic's ``ValidationError`` into
+the pydantic errors the blocks' validators raise for cross-field rules and for DeepSpeed values
+zero does not implement (``_cross``; ``_refused``, ``_not_implemented``: a
+``ConfigNotImplementedError``), and the translation of pydantic's ``ValidationError`` into
 one message naming each dotted key, the bad value, the field's description and a "did you mean"
 hint (``_describe``).
 """
@@ -27,6 +28,12 @@ class ConfigError(ValueError):
     """
 
 
+class ConfigNotImplementedError(ConfigError, NotImplementedError):
+    """A valid DeepSpeed setting that zero does not implement and that would change what is
+    trained if ignored (ZeRO++, gradient_allreduce_op "sum", torch_autocast, ...): both a
+    ``ConfigError`` and a ``NotImplementedError``. Raised when every problem found is one."""
+
+
 def _show(value: Any, limit: int = 200) -> str:
     """``value`` as JSON (repr if it is not JSON), cut to ``limit`` characters."""
     try:
@@ -41,10 +48,19 @@ def _cross(message: str) -> PydanticCustomError:
     return PydanticCustomError("cross_field", message)
 
 
+_NOT_IMPLEMENTED = "not_implemented"  # the pydantic error type of _not_implemented
+
+
+def _not_implemented(message: str) -> PydanticCustomError:
+    """A valid setting zero does not implement (ConfigNotImplementedError); the message names
+    every dotted key involved and the fix."""
+    return PydanticCustomError(_NOT_IMPLEMENTED, message)
+
+
 def _refused(key: str, value: Any, why: str, default: Any) -> PydanticCustomError:
     """A DeepSpeed key set to a value zero does not implement, where ignoring it would change what
     the run is: one message naming the key, the value, why, and the fix."""
-    return _cross(
+    return _not_implemented(
         f"{key} = {_show(value)}: {why} Remove the key or set it to the default "
         f"({key.rsplit('.', 1)[-1]}: {_show(default)})."
     )
@@ -81,7 +97,7 @@ def _describe_one(error: Mapping[str, Any], schema: type[BaseModel]) -> str:
     loc = tuple(error["loc"])
     key = ".".join(str(p) for p in loc)
     kind = error["type"]
-    if kind == "cross_field":
+    if kind in ("cross_field", _NOT_IMPLEMENTED):
         return error["msg"]
     if kind == "extra_forbidden":
         model, _ = _walk(schema, loc)
@@ -110,3 +126,11 @@ def _describe(err: ValidationError, where: str, schema: type[BaseModel]) -> str:
         return where + problems[0]
     listed = "\n".join(f"  - {p}" for p in problems)
     return f"{where}{len(problems)} problems:\n{listed}"
+
+
+def _config_error(err: ValidationError, where: str, schema: type[BaseModel]) -> ConfigError:
+    """The ConfigError for ``err``: a ConfigNotImplementedError when every problem is a valid
+    setting zero does not implement, so callers may tell "unsupported" from "wrong"."""
+    unsupported = all(e["type"] == _NOT_IMPLEMENTED for e in err.errors())
+    kind = ConfigNotImplementedError if unsupported else ConfigError
+    return kind(_describe(err, where, schema))

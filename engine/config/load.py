@@ -13,7 +13,9 @@
    zero does not implement, ZeRO++ / MiCS, torch_autocast, AutoTP, weight_quantization and
    the like, are errors unless at their defaults);
 5. derive the batch triple for the data-parallel world size (auto.py);
-6. warn once per accepted-but-unsupported block (amp, pipeline, ...; deepspeed_keys.py).
+6. drop zero_optimization.offload_param below stage 3, which DeepSpeed ignores there, with one
+   warning naming the key, and warn once per accepted-but-unsupported block (amp, pipeline,
+   ...; deepspeed_keys.py).
 """
 
 import logging
@@ -24,8 +26,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from .auto import _derive_batch, _resolve_auto
-from .deepspeed_keys import _map_deprecated, _warn_unsupported
-from .errors import ConfigError, _describe
+from .deepspeed_keys import _ignore_param_offload, _map_deprecated, _warn_unsupported
+from .errors import ConfigError, _config_error
 from .parse import _read_source
 from .schema import Config
 from .values import _freeze, _thaw
@@ -65,13 +67,16 @@ def load_config(
     Raises:
         ConfigError: missing, unreadable, non-UTF-8 or unparsable file, non-finite number or
             nesting deeper than 100 levels anywhere, unknown key, invalid value, broken cross-field
-            rule, unresolved "auto", ZeRO++ / MiCS keys set to anything but their defaults
-            (not implemented), or a batch triple that does not fit ``world_size``. The message
-            names the dotted key, the value and the fix (and the file, if any).
+            rule, unresolved "auto", or a batch triple that does not fit ``world_size``. The
+            message names the dotted key, the value and the fix (and the file, if any).
+        ConfigNotImplementedError (a ConfigError and a NotImplementedError): only valid
+            DeepSpeed settings zero does not implement and would change the run if ignored
+            (ZeRO++ / MiCS, gradient_allreduce_op "sum", torch_autocast, AutoTP, ...).
 
     Warns:
         FutureWarning for each deprecated DeepSpeed name; UserWarning for enabled blocks of
-        subsystems zero does not support.
+        subsystems zero does not support, and for zero_optimization.offload_param with a device
+        below stage 3 (ignored, as DeepSpeed does: the returned config has no offload_param).
     """
     found: list[str] = []
     if isinstance(source, Config):
@@ -91,7 +96,7 @@ def load_config(
     try:
         config = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_describe(err, where, Config)) from None
+        raise _config_error(err, where, Config) from None
     train, micro, gas = _derive_batch(
         config.train_batch_size,
         config.train_micro_batch_size_per_gpu,
@@ -106,8 +111,10 @@ def load_config(
             "gradient_accumulation_steps": gas,
         }
     )
+    first = not isinstance(source, Config)  # a Config's first load already warned
+    config = _ignore_param_offload(config, where, warn=first)
     config._source = _freeze(data)
-    if not isinstance(source, Config):  # the first load already warned
+    if first:
         _warn_unsupported(config, where)
     if notes is not None:
         notes.extend(found)

@@ -19,6 +19,7 @@ import hjson
 import yaml
 
 from .errors import ConfigError, _show
+from .values import is_plus_infinity
 
 
 def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
@@ -90,7 +91,10 @@ def _parse(text: str, suffix: str, where: str) -> Any:
         # hjson reads a bare word up to the end of the line, brackets included.
         hint = ""
         if re.search(r"[:,\[]\s*-?(Infinity|NaN)\b", text):
-            hint = " (Infinity and NaN are not accepted anywhere; write a finite number)"
+            hint = (
+                " (Infinity and NaN are not accepted, except steps_per_print: Infinity with "
+                "nothing but a comma after it on its line; write a finite number)"
+            )
         raise ConfigError(
             f"{where}parse error at line {err.lineno}, column {err.colno}: {err.msg}{hint}."
         ) from None
@@ -130,9 +134,12 @@ def _hjson_float(text: str) -> float:
 # - non-finite numbers anywhere, free-form blocks (optimizer.params, scheduler.params, the
 #   unsupported subsystems) included: an inf or NaN lr, momentum or loss scale does not fail,
 #   it silently ruins or skips every step. hjson reads JSON's Infinity / -Infinity / NaN as
-#   text, so those exact strings count as the numbers they spell.
+#   text, so those exact strings count as the numbers they spell. The one exception is
+#   +infinity at the top-level steps_per_print, which means "never print": Accelerate writes
+#   float("inf") there in every config it hands to DeepSpeed (values.py, StepsOrNever).
 _MAX_DEPTH = 100
 _NON_FINITE_TEXT = ("Infinity", "-Infinity", "NaN")
+_INFINITY_MEANS_NEVER = "steps_per_print"
 
 
 def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
@@ -161,6 +168,8 @@ def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
     if isinstance(node, (list, tuple)):
         return [_checked(v, _join(key, i), where, depth + 1) for i, v in enumerate(node)]
     huge = isinstance(node, int) and not isinstance(node, bool) and abs(node) > _FLOAT_MAX
+    if key == _INFINITY_MEANS_NEVER and is_plus_infinity(node):
+        return node
     if (
         huge
         or (isinstance(node, float) and not math.isfinite(node))
@@ -168,8 +177,9 @@ def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
     ):
         raise ConfigError(
             f"{where}invalid value for '{key}': {_show(node)}. Non-finite numbers (inf, -inf, "
-            "NaN) are refused everywhere in a config: an infinite or NaN learning rate, "
-            "momentum or loss scale ruins or skips every step. Write a finite number (a "
+            "NaN) are refused everywhere in a config, because an infinite or NaN learning rate, "
+            "momentum or loss scale ruins or skips every step (the one exception is "
+            "steps_per_print: Infinity, which means never print). Write a finite number (a "
             "literal beyond about 1.8e308, such as 1e400, also reads as infinity)."
         )
     return node

@@ -15,12 +15,13 @@ are read-only mappings and lists are tuples.
 """
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BeforeValidator, Field, PrivateAttr, field_validator, model_validator
 
-from .errors import _cross, _refused, _show
+from .errors import _cross, _not_implemented, _refused, _show
 from .values import (
     AnyDtype,
     Bytes,
@@ -29,6 +30,7 @@ from .values import (
     FrozenDict,
     HalfOrFull,
     Number,
+    StepsOrNever,
     _Block,
     _capitalize,
     _lower,
@@ -442,7 +444,11 @@ class Config(_Block):
     gradient_clipping: Number = Field(
         1.0, ge=0, description="Clip the global gradient L2 norm to this value; 0 disables."
     )
-    steps_per_print: Count = Field(10, description="Log progress every this many steps.")
+    steps_per_print: StepsOrNever = Field(
+        10,
+        description="Log progress every this many steps; Infinity (Accelerate's value) never "
+        "logs, read as null.",
+    )
     agreement_timeout: Number = Field(
         300.0,
         gt=0,
@@ -585,14 +591,14 @@ class Config(_Block):
             )
         quant = self.weight_quantization
         if quant is not None and quant.get("enabled", True) is not False:
-            raise _cross(
+            raise _not_implemented(
                 f"weight_quantization = {_show(quant)}: zero does not quantize weights; "
                 "training in full precision would not be the run the config describes. Remove "
                 'the block or set "enabled": false.'
             )
         expert = self.expert_parallel
         if expert is not None and expert.get("enabled", False) is not False:
-            raise _cross(
+            raise _not_implemented(
                 f"expert_parallel = {_show(expert)}: zero does not shard experts over ranks "
                 "(AutoEP); ignoring it would replicate every expert, a different layout. "
                 'Remove the block or set "enabled": false.'
@@ -658,6 +664,26 @@ class Config(_Block):
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as a JSON-serializable dict (checkpoint metadata, logs)."""
         return self.model_dump(mode="json")
+
+    # DeepSpeed's engine.config is the config dict: the Hugging Face Trainer reads
+    # engine.config.get("zero_optimization", {}).get("stage"). These read the resolved values
+    # under DeepSpeed's key names, without nulls (an absent block stays absent), read-only.
+    def _deepspeed_dict(self) -> Mapping[str, Any]:
+        return MappingProxyType(self.model_dump(mode="json", exclude_none=True))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """DeepSpeed's dict read: the resolved value of top-level `key`, else `default`."""
+        return self._deepspeed_dict().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._deepspeed_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._deepspeed_dict()
+
+    def keys(self):
+        """DeepSpeed's top-level keys of the resolved config."""
+        return self._deepspeed_dict().keys()
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

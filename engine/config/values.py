@@ -6,7 +6,9 @@ device spellings, free-form dicts frozen read-only (and thawed back for messages
 Imports nothing from zero.
 """
 
+import enum
 import functools
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
@@ -100,7 +102,50 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+class OffloadDeviceEnum(str, enum.Enum):
+    """Where offloaded state lives: DeepSpeed's deepspeed.runtime.zero.offload_config enum.
+
+    A str enum, so a block's ``device`` (kept as the plain string "none", "cpu" or "nvme")
+    compares equal to it: ``config.zero.offload_param.device == OffloadDeviceEnum.cpu``.
+    """
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
 OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_lower)]
+
+
+# hjson reads JSON's bare Infinity as text up to the end of its line, so a line written by
+# json.dump, `"steps_per_print": Infinity,`, arrives as "Infinity," (the next line parses as usual).
+INFINITY_TEXT = ("Infinity", "Infinity,")
+
+
+def is_plus_infinity(value: Any) -> bool:
+    """float +inf (a mapping, YAML's .inf, a literal such as 1e400) or hjson's Infinity text."""
+    if isinstance(value, str):
+        return value in INFINITY_TEXT
+    return isinstance(value, float) and math.isinf(value) and value > 0
+
+
+def _steps_or_never(value: Any) -> int | None:
+    """steps_per_print: a positive whole number, or +infinity (None here), which means never.
+
+    Accelerate writes float("inf") into every config it hands to DeepSpeed to silence its step
+    log (DeepSpeed's modulo then never reaches 0). null is refused: DeepSpeed fails on it at the
+    first step, and it does not say which of "never" or "the default" is meant.
+    """
+    if is_plus_infinity(value):
+        return None
+    if value is None:
+        raise ValueError(
+            "expected a whole number of steps; write a positive number, or Infinity to never print"
+        )
+    return _to_whole(value, minimum=1, what="a whole number of steps, or Infinity for never")
+
+
+StepsOrNever = Annotated[int | None, BeforeValidator(_steps_or_never)]
 HalfOrFull = Literal["fp32", "fp16", "bf16"]
 
 

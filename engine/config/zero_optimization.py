@@ -6,11 +6,11 @@ them), and ZenFlow, refused.
 """
 
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
-from .errors import _cross, _show
+from .errors import _cross, _not_implemented, _show
 from .values import (
     Count,
     Elements,
@@ -50,7 +50,8 @@ class OffloadOptimizerConfig(_Block):
 
 
 class OffloadParamConfig(_Block):
-    """DeepSpeed ``zero_optimization.offload_param`` (stage 3 only). Sizes are in elements."""
+    """DeepSpeed ``zero_optimization.offload_param`` (stage 3 only; below stage 3 load_config
+    drops it with a warning, as DeepSpeed ignores it). Sizes are in elements."""
 
     device: OffloadDevice = Field(
         "none", description="Where parameter shards live: none (accelerator), cpu or nvme."
@@ -66,12 +67,20 @@ class OffloadParamConfig(_Block):
     pin_memory: bool = Field(False, description="Use page-locked CPU memory.")
 
 
+def _one_or_many(value: Any) -> Any:
+    # DeepSpeed reads a single string in leaf_module as a list of one.
+    return [value] if isinstance(value, str) else value
+
+
+_Names = Annotated[tuple[str, ...], BeforeValidator(_one_or_many)]
+
+
 class LeafModuleConfig(_Block):
     """DeepSpeed ``zero_optimization.leaf_module``: modules stage 3 fetches as one unit."""
 
-    classes: tuple[str, ...] = Field((), description="Module class names.")
-    names: tuple[str, ...] = Field((), description="Module names.")
-    name_suffixes: tuple[str, ...] = Field((), description="Module name suffixes.")
+    classes: _Names = Field((), description="Module class names (a list, or one string).")
+    names: _Names = Field((), description="Module names (a list, or one string).")
+    name_suffixes: _Names = Field((), description="Module name suffixes (a list, or one string).")
 
 
 # ZeRO++ (arXiv 2306.10209) and MiCS (arXiv 2205.00119) keys: accepted at their defaults, which
@@ -126,7 +135,9 @@ class ZeroConfig(_Block):
         None, description="Optimizer-state offload (ZeRO-Offload); stages 1-3."
     )
     offload_param: OffloadParamConfig | None = Field(
-        None, description="Parameter offload (ZeRO-Infinity); stage 3 only."
+        None,
+        description="Parameter offload (ZeRO-Infinity); stage 3 only, ignored (with a warning) "
+        "below it.",
     )
     sub_group_size: Elements = Field(
         1_000_000_000, description="Elements per optimizer sub-group step (stage 3)."
@@ -241,7 +252,7 @@ class ZeroConfig(_Block):
             return self
         given = ", ".join(f"zero_optimization.{k} = {_show(getattr(self, k))}" for k in changed)
         defaults = ", ".join(f"{k}: {_show(fields[k].default)}" for k in changed)
-        raise _cross(
+        raise _not_implemented(
             f"{given}: zero does not implement ZeRO++ / MiCS (quantized weights or gradients, "
             "hierarchical or MiCS-sharded communication). Remove the key"
             f"{'s' if len(changed) > 1 else ''} or set {'them' if len(changed) > 1 else 'it'} "
@@ -252,7 +263,7 @@ class ZeroConfig(_Block):
     @model_validator(mode="after")
     def _refuse_zenflow(self) -> "ZeroConfig":
         if self.zenflow is not None:
-            raise _cross(
+            raise _not_implemented(
                 f"zero_optimization.zenflow = {_show(self.zenflow)}: zero does not implement "
                 "ZenFlow, which updates the less important gradient columns late; training "
                 "without it would not be the run the config describes. Remove the key (or set "
@@ -262,18 +273,18 @@ class ZeroConfig(_Block):
 
     @model_validator(mode="after")
     def _check_offload(self) -> "ZeroConfig":
+        # offload_param below stage 3 is not checked here: DeepSpeed ignores the block there, and
+        # so does load_config, with a warning (deepspeed_keys.py, _ignore_param_offload).
         opt, par = self.offload_optimizer, self.offload_param
-        if par is not None and par.device != "none" and self.stage != 3:
-            raise _cross(
-                f"zero_optimization.offload_param.device '{par.device}' needs "
-                f"zero_optimization.stage 3 (got {self.stage}); set stage 3 or remove it."
-            )
         if opt is not None and opt.device != "none" and self.stage == 0:
             raise _cross(
                 f"zero_optimization.offload_optimizer.device '{opt.device}' needs "
                 "zero_optimization.stage 1, 2 or 3 (got 0)."
             )
-        for name, block in (("offload_optimizer", opt), ("offload_param", par)):
+        blocks = [("offload_optimizer", opt)] + (
+            [("offload_param", par)] if self.stage == 3 else []
+        )
+        for name, block in blocks:
             if block is not None and block.device == "nvme" and not block.nvme_path:
                 raise _cross(
                     f"zero_optimization.{name}.device is 'nvme' but "

@@ -2,7 +2,7 @@
 
 Owns: the optimizer registry (DeepSpeed's optimizer types and torch's), learning-rate schedules
 (DeepSpeed's WarmupLR, WarmupDecayLR, OneCycle, ...), and mixed precision with loss scaling.
-May import: zero.comm, zero.config, zero.errors.
+May import: zero.comm and everything below it.
 """
 
 from .optimizers import (

@@ -476,6 +476,12 @@ SCHEDULERS: dict[str, type] = {
     cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)
 }
 
+# DeepSpeed's deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES, in its order: the class names of
+# its schedules, all five of which zero implements. Accelerate hands a scheduler object to
+# initialize(lr_scheduler=...) when type(obj).__name__ is in this list.
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+assert set(VALID_LR_SCHEDULES) == set(SCHEDULERS)
+
 # torch schedulers that cannot run under the engine, with the reason.
 _UNSUPPORTED_TORCH_SCHEDULERS = {
     "ReduceLROnPlateau": "it needs a metric in step(), and the engine steps schedulers without one",

@@ -18,7 +18,7 @@ import zlib
 
 import torch
 
-from .init import gather_in_place, is_partitioned, release_in_place
+from .init import hold, is_partitioned, unhold
 from .stage3 import UnitState
 
 # id(param) -> the ZeroOptimizer that lays it out (weak, so engines can be garbage collected).
@@ -50,8 +50,11 @@ class GatheredParameters:
     """Context manager; params: one parameter or an iterable of them. Parameters zero does not
     partition (frozen ones below stage 3, or of a model without an engine) pass through
     unchanged. Parameters of a model built under zero.Init and not yet given to
-    zero.initialize are gathered too (and partitioned again on exit, from modifier_rank's values
-    when it is set). Contexts nest: a unit stays gathered until the outermost one exits.
+    zero.initialize are gathered too, also inside an open zero.Init context (in a module's
+    __init__), and stay gathered until exit, where they are partitioned again from
+    modifier_rank's full values (rank 0's when it is None); see [Note: held parameters] in
+    init.py. Contexts nest: a unit stays gathered until the outermost one exits, and an inner
+    one with modifier_rank set broadcasts that rank's values on its exit.
 
     Raises ValueError for a modifier_rank outside the data-parallel group.
     """
@@ -87,8 +90,7 @@ class GatheredParameters:
     def __exit__(self, *exc):
         if not self.enabled:
             return False
-        for param in self._init_params:
-            release_in_place(param, src=self.modifier_rank or 0)
+        unhold(self._init_params, self.modifier_rank)
         optimizer = self._owner()
         if optimizer is None:
             return False
@@ -108,13 +110,14 @@ class GatheredParameters:
             raise ValueError(f"modifier_rank={self.modifier_rank} is outside 0..{world - 1}")
 
     def _enter_init_params(self) -> None:
-        """Gather the zero.Init parameters (built partitioned, no engine yet). Collective."""
-        fresh = [p for p in self.params if is_partitioned(p) and not p.zero_shard.gathered]
-        self._init_params = list({id(p): p for p in fresh}.values())
+        """Hold the zero.Init parameters (built partitioned, no engine yet), gathered or not:
+        one an open zero.Init context gathered for construction code is held too, so that the
+        context does not release it inside this block. Collective."""
+        partitioned = [p for p in self.params if is_partitioned(p)]
+        self._init_params = list({id(p): p for p in partitioned}.values())
         if self._init_params:
             self._check_modifier(self._init_params[0].zero_shard.comm.world_size)
-        for param in self._init_params:
-            gather_in_place(param)
+        hold(self._init_params)
 
 
 def _enter(optimizer, method: str, params, modifier_rank=None) -> None:

@@ -26,6 +26,17 @@ So values equal an ordinary construction on rank 0 with the same seed, random dr
 Gathering is collective: every rank must build the same modules and touch the same parameters
 in the same order, which construction code does unless it branches on the rank.
 
+[Note: held parameters]
+zero.GatheredParameters inside the context (transformers gathers a weight in __init__ or
+_init_weights: distilbert's sinusoidal table written on rank 0 alone, the weight_norm of
+wav2vec2's positional conv) holds its parameters: hold() gathers them and counts the hold on the
+shard (InitShard.holds); a held parameter is not among the recently touched ones, so neither a
+torch operation on it (which may run on one rank only) nor a module finishing __init__ gathers
+or releases it, and aliases of it stay valid for the whole block. The last unhold() releases it
+(broadcast from modifier_rank, or rank 0, slice kept); an inner unhold() with a modifier_rank
+broadcasts that rank's full value at once, so the ranks agree while an outer hold remains. One
+owner per gathered state: a parameter is released only while gathered, exactly once.
+
 After the context, zero.initialize gathers each parameter once more, one bucket at a time, to lay
 it out (stages.py); until then `param.numel()` is 0 and full_shape(param) gives the shape.
 
@@ -60,13 +71,19 @@ import contextlib
 import functools
 import os
 import zlib
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+# get_accelerator: DeepSpeed's partition_parameters imports deepspeed.accelerator's, and
+# transformers calls it through that module (zero-as-deepspeed maps it onto this one).
 from ..accelerator import detect_accelerator
+from ..accelerator import get_accelerator as get_accelerator
 from ..comm import Communicator, data_parallel_comm, init_process_group, read_launch_env
+from .ds_params import ZeroParamStatus, describe, forget, set_status, set_tensor
 
 _ACTIVE = None  # the Init context in force (contexts do not nest: an inner one does nothing)
 # transformers' switch for materializing checkpoint tensors one at a time ([Note: meta ...]).
@@ -79,18 +96,42 @@ KEEP_GATHERED = 4
 class InitShard:
     """This rank's slice of a parameter built under zero.Init.
 
-    shape: the full shape. data: (ceil(numel / N),) the rank's slice, zero-padded, in the
-    parameter's dtype, on `device` (page-locked when `pin` and CUDA exists). comm: the
-    data-parallel Communicator it is partitioned over, whose collectives run on `comm_device`.
-    home: the device the parameter was built on (its placeholder's). gathered: the parameter
-    holds its full value right now.
+    param: the parameter. shape: the full shape. data: (ceil(numel / N),) the rank's slice,
+    zero-padded, in the parameter's dtype, on `device` (page-locked when `pin` and CUDA exists).
+    comm: the data-parallel Communicator it is partitioned over, whose collectives run on
+    `comm_device`. home: the device the parameter was built on (its placeholder's). gathered:
+    the parameter holds its full value right now.
+
+    The parameter's DeepSpeed attributes are views of this shard ([Note: attributes are views]
+    in ds_params.py): `ds_tensor` is `data` (DeepSpeed's layout exactly: ceil(numel / N)
+    elements, zero padding at the end of the last ranks' slices; None while a parameter built on
+    the meta device has no values) and `ds_status` follows `gathered` (AVAILABLE or
+    NOT_AVAILABLE; gathering here is synchronous, so never INFLIGHT). Both are written only by
+    the `gathered` setter and keep_owned(). holds: open zero.GatheredParameters blocks that
+    keep the parameter gathered ([Note: held parameters]).
     """
 
-    def __init__(self, home, comm: Communicator, comm_device, device, pin):
+    def __init__(self, param, home, comm: Communicator, comm_device, device, pin):
+        # The shard refers to its parameter (which refers to the shard) to keep the parameter's
+        # attributes in step; the cycle ends when an engine takes the shard (take_full), or is
+        # collected with the model. Not a weak reference: swap_tensors refuses those.
+        self.param = param
         self.home, self.comm, self.comm_device = home, comm, comm_device
         self.device, self.pin = device, pin
-        self.gathered = True  # until release_in_place() keeps the slice
         self.shape = self.data = None
+        set_tensor(param, None)
+        self.gathered = True  # until release_in_place() keeps the slice
+        self.holds = 0
+
+    @property
+    def gathered(self) -> bool:
+        return self._gathered
+
+    @gathered.setter
+    def gathered(self, value: bool) -> None:
+        self._gathered = value
+        status = ZeroParamStatus.AVAILABLE if value else ZeroParamStatus.NOT_AVAILABLE
+        set_status([self.param], status)
 
     @property
     def empty(self) -> bool:
@@ -119,6 +160,7 @@ class InitShard:
         if self.pin and torch.cuda.is_available() and data.device.type == "cpu":
             data = data.pin_memory()
         self.data = data
+        set_tensor(self.param, data)
 
     @property
     def numel(self) -> int:
@@ -154,9 +196,10 @@ def is_partitioned(tensor) -> bool:
 
 
 def name_full_size(param, shape) -> None:
-    """DeepSpeed's attributes for a partitioned parameter's full size, which libraries read
-    (peft sizes LoRA layers from `ds_shape`; scripts count `ds_numel`)."""
-    param.ds_shape, param.ds_numel = torch.Size(shape), torch.Size(shape).numel()
+    """DeepSpeed's attributes for a partitioned parameter's identity and full size, which
+    libraries read (peft sizes LoRA layers from `ds_shape`; scripts count `ds_numel` and test
+    `hasattr(p, "ds_id")`): ds_id (kept once given), ds_shape, ds_numel. See ds_params.py."""
+    describe(param, shape)
 
 
 def full_shape(param) -> torch.Size:
@@ -177,13 +220,7 @@ def gather_full(param) -> torch.Tensor:
     Collective over the group it is partitioned over. Raises ValueError for a parameter built on
     the meta device that has no values yet."""
     shard = param.zero_shard
-    if shard.empty:
-        raise ValueError(
-            f"rank {shard.comm.rank}: a parameter of shape {tuple(shard.shape)} was built on the "
-            "meta device under zero.Init and holds no values yet; load them first: "
-            "from_pretrained inside the zero.Init context, or zero.load_pretrained(model, path) "
-            "on every rank"
-        )
+    _refuse_empty(shard)
     if shard.gathered:
         return param.data.to(shard.comm_device)
     data = shard.data.to(shard.comm_device)
@@ -192,11 +229,24 @@ def gather_full(param) -> torch.Tensor:
     return out[: shard.numel].view(shard.shape)
 
 
+def _refuse_empty(shard: InitShard) -> None:
+    if shard.empty:
+        raise ValueError(
+            f"rank {shard.comm.rank}: a parameter of shape {tuple(shard.shape)} was built on the "
+            "meta device under zero.Init and holds no values yet; load them first: "
+            "from_pretrained inside the zero.Init context, or zero.load_pretrained(model, path) "
+            "on every rank"
+        )
+
+
 def take_full(param) -> torch.Tensor:
     """gather_full(), then forget the zero.Init shard (the engine lays the parameter out from
-    the returned value). The parameter keeps its 0-element placeholder. Collective."""
+    the returned value) and DeepSpeed's attributes with it (stages 0-2 hold the parameter
+    whole; stage 3 describes it anew, same ds_id). The parameter keeps its 0-element
+    placeholder. Collective."""
     value = gather_full(param)
     del param.zero_shard
+    forget(param)
     return value
 
 
@@ -213,6 +263,8 @@ def release_in_place(param, src: int = 0) -> None:
     """Partition a gathered zero.Init parameter again from rank `src`'s (possibly modified)
     full value. Collective."""
     shard = param.zero_shard
+    # Released twice, the 0-element placeholder would become the "full value" (shape (0,)).
+    assert shard.gathered, f"rank {shard.comm.rank}: release of a parameter not gathered"
     if _ACTIVE is not None:
         _ACTIVE.assigned.pop(id(param), None)  # rank src's value now: equal everywhere
     with torch.no_grad():
@@ -223,22 +275,223 @@ def release_in_place(param, src: int = 0) -> None:
     shard.gathered = False
 
 
+def hold(params) -> None:
+    """Gather zero.Init parameters (each at most once in `params`) and keep them gathered until
+    unhold(), whatever an open zero.Init context does meanwhile ([Note: held parameters]); for
+    zero.GatheredParameters. Holds nest. Collective, in the same order on every rank. Raises
+    ValueError for a parameter built on the meta device that has no values yet, before any
+    parameter is gathered."""
+    params = list(params)
+    for param in params:
+        _refuse_empty(param.zero_shard)
+    for param in params:
+        if _ACTIVE is not None:
+            _ACTIVE.forget_touch(param)  # held now: the context no longer releases it
+        with own_ops():
+            gather_in_place(param)
+        param.zero_shard.holds += 1
+
+
+def unhold(params, modifier_rank: int | None = None) -> None:
+    """End one hold() of each of `params`. A parameter no longer held is partitioned again from
+    rank `modifier_rank`'s full value (rank 0's when None); one still held gets that rank's full
+    value at once when `modifier_rank` is set. Parameters an engine has taken since (zero.
+    initialize inside the block) are skipped. Collective."""
+    for param in params:
+        if not is_partitioned(param):
+            continue
+        shard = param.zero_shard
+        assert shard.holds > 0, f"rank {shard.comm.rank}: unhold of a parameter not held"
+        shard.holds -= 1
+        with own_ops():
+            if shard.holds == 0:
+                release_in_place(param, src=modifier_rank or 0)
+            elif modifier_rank is not None:
+                with torch.no_grad():
+                    _broadcast_full(param, modifier_rank)
+
+
+def _broadcast_full(param, src: int) -> None:
+    """Give every rank's gathered `param` rank `src`'s full value (on its home device)."""
+    shard = param.zero_shard
+    full = param.data.to(shard.comm_device, copy=True).contiguous()
+    shard.comm.broadcast(full, src=src)
+    param.data.copy_(full.view(param.shape))
+
+
+# [Note: the keys Init reads]
+# zero.Init is entered with the training config before the model exists, often a config that is
+# not finished: transformers passes deepspeed_config(), whose "auto" batch sizes, scheduler values
+# and bucket sizes are filled only once the model is built, and accelerate sets steps_per_print to
+# float("inf"). Init uses only zero_optimization.offload_param (where shards live; checked with
+# zero_optimization.stage, since parameter offload needs stage 3) and the compute dtype
+# (fp16.enabled, bf16.enabled or its old name bfloat16.enabled). It reads those keys alone and
+# validates them as zero.initialize does (an "auto" or a wrong value there is a ConfigError); the
+# other keys are zero.initialize's to check. zero.Init casts nothing: a parameter keeps the dtype
+# its construction gives until zero.initialize casts it to the compute dtype, so the fp32 master
+# weights start from the values built (DeepSpeed builds parameters in the compute dtype, which
+# rounds them first); Init.dtype says the dtype training will use.
+_INIT_KEYS = {
+    "zero_optimization": ("stage", "offload_param", "cpu_offload_param"),
+    "fp16": ("enabled",),
+    "bf16": ("enabled",),
+    "bfloat16": ("enabled",),  # DeepSpeed's old name of bf16
+}
+_FILE_TYPES = (".json", ".hjson", ".yaml", ".yml")
+_INIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def read_init_config(source):
+    """The config keys zero.Init reads ([Note: the keys Init reads]), validated, as a zero.Config
+    (read its zero.stage, zero.offload_param and compute_dtype only); None when `source` is None.
+
+    source: a path (.json, .hjson, .yaml, .yml), a mapping, or a zero.Config (returned as it
+    is). Raises ConfigError (a ValueError) naming the key for a wrong value of a key it reads,
+    and for a file that cannot be read or parsed. Not a collective.
+    """
+    from ..config import Config, ConfigError, load_config
+
+    if source is None or isinstance(source, Config):
+        return source
+    where, data = _config_data(source)
+    subset = {"train_micro_batch_size_per_gpu": 1}  # the batch sizes are not Init's: any valid
+    for block, keys in _INIT_KEYS.items():
+        if block in data:
+            value = data[block]
+            subset[block] = (
+                {k: value[k] for k in keys if k in value} if isinstance(value, Mapping) else value
+            )
+    try:
+        return load_config(subset)
+    except ConfigError as error:
+        message = str(error).removeprefix("config: ")
+        raise ConfigError(f"zero.Init ({where}): {message}") from None
+
+
+def _config_data(source) -> tuple[str, Mapping]:
+    """(words for the source, its top-level mapping), unchecked: a path is parsed, nothing
+    else of it is interpreted."""
+    from ..config import ConfigError
+    from ..config.parse import _parse, _read_text
+
+    if isinstance(source, Mapping):
+        return "the config dict", source
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(
+            f"zero.Init: config_dict_or_path must be a path, a dict or a zero.Config, not "
+            f"{type(source).__name__}"
+        )
+    path = Path(source)
+    where = f"config file '{path}': "
+    if path.suffix.lower() not in _FILE_TYPES:
+        raise ConfigError(
+            f"{where}unknown file type '{path.suffix}'; use .json, .hjson, .yaml or .yml."
+        )
+    data = _parse(_read_text(path, where), path.suffix.lower(), where)
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{where}the top level must be a mapping of keys, got {type(data).__name__}."
+        )
+    return where.removesuffix(": "), data
+
+
+def _init_dtype(dtype, cfg) -> torch.dtype:
+    """Init.dtype: `dtype` if given (one of float16, bfloat16, float32, and the config's compute
+    dtype when there is a config), else the config's compute dtype, else float32."""
+    if dtype is not None and dtype not in _INIT_DTYPES:
+        raise ValueError(
+            f"zero.Init: dtype={dtype!r}; use torch.float16, torch.bfloat16 or torch.float32"
+        )
+    if cfg is None:
+        return dtype or torch.float32
+    if dtype is not None and dtype != cfg.compute_dtype:
+        raise ValueError(
+            f"zero.Init: dtype={dtype} but the config trains in {cfg.compute_dtype} (fp16 / bf16 "
+            "enabled): zero trains in the config's dtype; omit dtype or set the config's"
+        )
+    return cfg.compute_dtype
+
+
+def _one_of(name: str, value, alias):
+    """`value`, or DeepSpeed's other name for the same argument; ValueError when both differ."""
+    if value is not None and alias is not None and value is not alias:
+        raise ValueError(
+            f"zero.Init: {name} is given twice, under two of DeepSpeed's names, with different "
+            "values; pass one"
+        )
+    return value if value is not None else alias
+
+
+def _refuse_zero_plus_plus(**given) -> None:
+    """NotImplementedError for DeepSpeed's Init arguments zero does not implement, unless at
+    their defaults (None or False)."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(
+                f"zero.Init: {name}={value!r} (ZeRO++ hierarchical partitioning and quantized "
+                "weights, or DeepSpeed's own parameter swapper) is not implemented by zero; "
+                "leave it at its default (parameter offload to nvme is "
+                "zero_optimization.offload_param in the config)"
+            )
+
+
+# DeepSpeed's partition_parameters names that transformers' prevent_arange_dtype_change reads
+# (deepspeed.runtime.zero.partition_parameters, mapped onto this module by zero-as-deepspeed).
+_orig_torch_arange = torch.arange  # torch.arange as it was when zero was imported
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device):
+    """DeepSpeed's partition_parameters.zero_wrapper_for_fp_tensor_constructor: the tensor
+    constructor `fn` (torch.arange, torch.zeros, ...) made to build on `target_device` when a
+    call names no device, and to give floating-point results `target_fp_dtype` (None leaves
+    either unchanged). DeepSpeed's Init wraps torch's constructors with it. zero.Init wraps no
+    constructor and never calls it, so transformers' prevent_arange_dtype_change (which swaps
+    this name for a version that spares torch.arange, then restores it) changes nothing under
+    zero, which is what it wants: explicit dtypes of RoPE buffers stay."""
+
+    @functools.wraps(fn)
+    def build(*args, **kwargs):
+        if target_device is not None and kwargs.get("device") is None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+
+    return build
+
+
 class Init:
     """Context manager: parameters of modules built inside are partitioned over the
-    data-parallel ranks as each module's __init__ ends.
+    data-parallel ranks as each module's __init__ ends. DeepSpeed's deepspeed.zero.Init.
 
-    Args (DeepSpeed's deepspeed.zero.Init; the ones not listed are accepted and ignored):
-        config, config_dict_or_path: the engine's config (path, dict or zero.Config); validated
-            here. zero_optimization.offload_param.device "cpu" keeps the shards in host memory.
-        data_parallel_group: a torch.distributed group to partition over (default: all ranks).
-        mpu: a model-parallel unit; its data-parallel group is used.
+    Args (DeepSpeed's names and order):
+        module: an already built model to partition now (DeepSpeed's `Init(module=model)`).
+        data_parallel_group: a torch.distributed group to partition over (default: all ranks);
+            `sequence_data_parallel_group`, DeepSpeed's deprecated name for it, is read too.
+        mem_efficient_linear: accepted, no effect (zero's stage 3 needs no Linear of its own).
         remote_device: "cpu" to keep shards in host memory, else the accelerator.
+        pin_memory: page-lock host shards.
+        config_dict_or_path, config (DeepSpeed's deprecated name; give one): the engine's
+            config, a path, dict or zero.Config. Only the keys Init uses are read ([Note: the
+            keys Init reads]); zero_optimization.offload_param.device "cpu" keeps the shards in
+            host memory.
         enabled: False makes the context do nothing.
+        dtype: torch.float16, torch.bfloat16 or torch.float32, kept as `self.dtype` (default:
+            the config's compute dtype). zero.Init does not cast parameters (see [Note: the
+            keys Init reads]).
+        mpu: a model-parallel unit; its data-parallel group is used.
+        tensor_overrides: accepted; zero.Init does not wrap tensor constructors, so no tensor's
+            dtype or device is overridden (see zero_wrapper_for_fp_tensor_constructor).
+        zero_param_parallel_group, zero_quantized_weights, zero_quantized_nontrainable_weights,
+        param_swapper: ZeRO++ and DeepSpeed's own swapper: NotImplementedError unless left at
+            their defaults.
 
     torch.distributed is initialized from the launcher's environment (RANK, WORLD_SIZE, ...)
     when it is set and no process group exists; without either, there is one rank and a shard is
     the whole parameter. Collective: every rank enters the context and builds the same modules.
-    Raises ConfigError (a ValueError) for a bad config, before anything is built.
+    Raises ConfigError (a ValueError) for a bad value of a key it reads, ValueError for
+    arguments that contradict each other, before anything is built.
     """
 
     def __init__(
@@ -253,24 +506,29 @@ class Init:
         enabled=True,
         dtype=None,
         mpu=None,
-        **ignored,
+        zero_param_parallel_group=None,
+        zero_quantized_weights=False,
+        zero_quantized_nontrainable_weights=False,
+        sequence_data_parallel_group=None,
+        param_swapper=None,
+        tensor_overrides=None,
     ):
-        from ..config import load_config
-
-        source = config if config is not None else config_dict_or_path
+        _refuse_zero_plus_plus(
+            zero_param_parallel_group=zero_param_parallel_group,
+            zero_quantized_weights=zero_quantized_weights,
+            zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
+            param_swapper=param_swapper,
+        )
+        group = _one_of("data_parallel_group", data_parallel_group, sequence_data_parallel_group)
+        # Validate before touching torch.distributed, so a bad config costs nothing.
+        cfg = read_init_config(_one_of("config_dict_or_path", config_dict_or_path, config))
+        self.dtype = _init_dtype(dtype, cfg)
         self.enabled = enabled
         launch = read_launch_env()
-        cfg = None
-        if source is not None and mpu is None:
-            # Validate before touching torch.distributed, so a bad config costs nothing.
-            world = dist.get_world_size() if dist.is_initialized() else None
-            cfg = load_config(source, world_size=world or (launch.world_size if launch else 1))
         accelerator = detect_accelerator(launch.local_rank if launch else 0)
         if launch is not None and not dist.is_initialized():
             init_process_group(accelerator.backend, launch)
-        self.comm = data_parallel_comm(mpu, data_parallel_group)
-        if source is not None and mpu is not None:
-            cfg = load_config(source, world_size=self.comm.world_size)
+        self.comm = data_parallel_comm(mpu, group)
         # The offload_param block when shards are made in host memory ("cpu"; "nvme": the
         # engine moves them to files at initialize).
         offload = cfg.zero.offload_param if cfg is not None else None
@@ -368,22 +626,21 @@ class Init:
             else:
                 self._partition(param)
 
-    def _new_shard(self, home) -> InitShard:
-        return InitShard(home, self.comm, self.comm_device, self.device, self.pin_memory)
+    def _new_shard(self, param, home) -> InitShard:
+        name_full_size(param, param.shape)
+        return InitShard(param, home, self.comm, self.comm_device, self.device, self.pin_memory)
 
     def _partition(self, param) -> None:
         """Broadcast rank 0's value, keep this rank's slice. Collective."""
-        name_full_size(param, param.shape)
-        param.zero_shard = self._new_shard(param.device)
+        param.zero_shard = self._new_shard(param, param.device)
         with self._own_ops():
             release_in_place(param)
 
     def _defer(self, param) -> None:
         """A parameter on the meta device: record its shape; it stays on the meta device until
         a value is assigned or loaded. Its slice will live on the host until then."""
-        shard = self._new_shard(torch.device("cpu"))
+        shard = self._new_shard(param, torch.device("cpu"))
         shard.shape, shard.gathered = param.shape, False
-        name_full_size(param, param.shape)
         param.zero_shard = shard
 
     def _on_register(self, module, name, param):
@@ -398,8 +655,7 @@ class Init:
         if param.is_meta:
             self._defer(param)
             return None
-        shard = self._new_shard(param.device)
-        name_full_size(param, param.shape)
+        shard = self._new_shard(param, param.device)
         with torch.no_grad(), self._own_ops():
             self.assigned[id(param)] = (param, _crc32(param.data))
             shard.keep(param.data)
@@ -437,10 +693,19 @@ class Init:
     def _own_ops(self):
         return _Busy(self)
 
+    def forget_touch(self, param) -> None:
+        """`param` is held from now on ([Note: held parameters]): drop it from the recently
+        touched parameters, gathered or not, without releasing it."""
+        self._gathered.pop(id(param), None)
+
     def touch(self, params) -> None:
         """Before an operation on `params` (partitioned parameters): gather them; of the other
         gathered parameters the most recently touched stay gathered (KEEP_GATHERED in all), so
-        `a.data.copy_(b.data)` and similar aliases across a few parameters work."""
+        `a.data.copy_(b.data)` and similar aliases across a few parameters work. Held parameters
+        are skipped: gathered already, they may be touched on one rank alone."""
+        params = [p for p in params if p.zero_shard.holds == 0]
+        if not params:
+            return
         for param in params:
             self._gathered.pop(id(param), None)
             with self._own_ops():

@@ -50,6 +50,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..comm import Intent, describe_intent
+from .ds_params import ZeroParamStatus, describe, set_status, set_tensor
 from .init import full_numel, tensors_in
 from .shared import bucket_values, collective_failure, host_copy
 
@@ -73,9 +74,23 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
+# DeepSpeed's ds_status of a unit's parameters in each state ([Note: attributes are views] in
+# ds_params.py).
+_PARAM_STATUS = {
+    UnitState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+    UnitState.GATHERING: ZeroParamStatus.INFLIGHT,
+    UnitState.GATHERED: ZeroParamStatus.AVAILABLE,
+}
+
+
 @dataclass
 class Unit:
-    """A fetch unit: a module and the trainable parameters gathered together for it."""
+    """A fetch unit: a module and the trainable parameters gathered together for it.
+
+    `state` changes only through to_gathering(), to_gathered() and to_sharded(), which check
+    the state they start from and set DeepSpeed's ds_status of the unit's parameters to match;
+    bucket_released() marks the parameters of one bucket released while the unit stays
+    GATHERED (backward releases a trainable bucket once its gradients are in)."""
 
     index: int
     name: str
@@ -94,6 +109,28 @@ class Unit:
     def frozen(self) -> bool:
         """Only frozen parameters: no gradients, so no rank has a backward for it."""
         return all(b.master is None for b in self.buckets)
+
+    def to_gathering(self) -> None:
+        """SHARDED -> GATHERING: the all-gathers of its buckets are launched."""
+        self._move(UnitState.SHARDED, UnitState.GATHERING)
+
+    def to_gathered(self) -> None:
+        """GATHERING -> GATHERED: they finished; its parameters hold their full values."""
+        self._move(UnitState.GATHERING, UnitState.GATHERED)
+
+    def to_sharded(self) -> None:
+        """GATHERED -> SHARDED: its buckets are released; its parameters are placeholders."""
+        self._move(UnitState.GATHERED, UnitState.SHARDED)
+
+    def bucket_released(self, bucket) -> None:
+        """One of its buckets was released, the unit staying GATHERED until the rest go."""
+        set_status(bucket.params, ZeroParamStatus.NOT_AVAILABLE)
+
+    def _move(self, start: UnitState, end: UnitState) -> None:
+        assert self.state is start, (self.name, self.state, end)
+        self.state = end
+        for bucket in self.buckets:
+            set_status(bucket.params, _PARAM_STATUS[end])
 
 
 def choose_units(
@@ -240,6 +277,7 @@ class ParamGatherer:
                 self._unit_of_param[id(param)] = unit
             with self._own_ops():
                 self._release_bucket(bucket)
+        self._describe_params()
         self._hooks.append(self.root.register_forward_pre_hook(self._enter_guard, prepend=True))
         self._hooks.append(self.root.register_forward_hook(self._exit_guard, always_call=True))
         for unit in self.units:
@@ -253,6 +291,34 @@ class ParamGatherer:
             self._hooks.append(
                 module.register_forward_hook(self._post_forward(unit), with_kwargs=True)
             )
+
+    def _describe_params(self) -> None:
+        """DeepSpeed's attributes on every parameter of the model (ds_params.py), units all
+        SHARDED: ds_id, ds_shape, ds_numel, ds_status NOT_AVAILABLE, and ds_tensor, a 1-D view
+        of the part of the bucket's shard that holds the parameter's elements this rank owns.
+
+        [Note: ds_tensor at stage 3]
+        DeepSpeed gives every rank ceil(numel / N) elements of each parameter, zero padded.
+        zero shards buckets, not parameters: rank r owns the r-th 1/N of each bucket, so it owns
+        a contiguous run of each parameter that may hold any number of its elements, none
+        included; ds_tensor is that run (the ranks' runs, in rank order, are the flattened
+        parameter, without padding), in the compute dtype, where the shard lives (host memory
+        under offload_param "cpu"; with "nvme", a shard kept in a file gives a 0-element view,
+        as DeepSpeed's ds_tensor is empty while swapped out). It is the shard itself, not a copy:
+        the optimizer step updates it in place. A parameter with no elements is not
+        partitioned: ds_status AVAILABLE, ds_tensor its own empty data."""
+        for bucket in self.buckets:
+            begin, end = bucket.layout.owned_range(self.comm.rank)
+            for slot, param in zip(bucket.layout.slots, bucket.params):
+                describe(param, slot.shape)
+                lo, hi = max(begin, slot.offset), min(end, slot.offset + slot.numel)
+                set_tensor(param, bucket.param_shard[lo - begin : max(lo, hi) - begin])
+            set_status(bucket.params, ZeroParamStatus.NOT_AVAILABLE)
+        for param in self.root.parameters():
+            if self.unit_of(param) is None and param.numel() == 0:
+                describe(param, param.shape)
+                set_tensor(param, param.detach())
+                set_status([param], ZeroParamStatus.AVAILABLE)
 
     def _enter_guard(self, module, args) -> None:
         """The root's forward begins: UsageGuard watches it, whether engine(...) called it or the
@@ -407,7 +473,7 @@ class ParamGatherer:
                         raise collective_failure(self.comm.rank, what, error) from error
                     if self.param_swap is not None:
                         self.param_swap.release(bucket)  # the all-gather has read the shard
-            unit.state = UnitState.GATHERED
+            unit.to_gathered()
 
     def _read_ahead(self, unit: Unit, direction: str) -> None:
         """Start reading from nvme the parameter shards of the units that followed `unit`
@@ -452,7 +518,7 @@ class ParamGatherer:
         with self._own_ops():
             for bucket in unit.buckets:
                 self._start_gather_bucket(bucket, unit)
-        unit.state = UnitState.GATHERING
+        unit.to_gathering()
 
     def _start_gather_bucket(self, bucket, unit: Unit) -> None:
         """All-gather the bucket into a fresh buffer on the device; an offloaded (host) shard is
@@ -594,10 +660,11 @@ class ParamGatherer:
             return
         if unit.state is UnitState.GATHERING:
             self.fetch(unit)  # a prefetch in flight must land before its buffer is freed
-        with self._own_ops():
-            for bucket in unit.buckets:
-                self._release_bucket(bucket)
-        unit.state = UnitState.SHARDED
+        if unit.state is UnitState.GATHERED:
+            with self._own_ops():
+                for bucket in unit.buckets:
+                    self._release_bucket(bucket)
+            unit.to_sharded()
         unit.pinned = False
         self._kept.discard(unit.index)
 
@@ -609,6 +676,7 @@ class ParamGatherer:
             return
         with self._own_ops():
             self._release_bucket(bucket)
+        unit.bucket_released(bucket)
         self._release_frozen_when_done(unit)
 
     def _release_frozen_when_done(self, unit: Unit) -> None:
@@ -630,7 +698,7 @@ class ParamGatherer:
         with self._own_ops():
             for bucket in unit.buckets:
                 self._release_bucket(bucket)
-        unit.state = UnitState.SHARDED
+        unit.to_sharded()
 
     def hold(self, units) -> None:
         """Gather `units` (in index order) and keep them gathered until unhold(): for
@@ -701,7 +769,7 @@ class ParamGatherer:
             with self._own_ops():
                 for bucket in unit.buckets:
                     self._release_bucket(bucket)
-            unit.state = UnitState.SHARDED
+            unit.to_sharded()
             self.fetch(unit)
 
     def unit_of(self, param) -> Unit | None:

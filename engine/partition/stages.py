@@ -288,6 +288,7 @@ class ZeroOptimizer:
         self.optimizer = optimizer
         self.compute_dtype = compute_dtype
         self.global_grad_norm = None
+        self.overflow = False  # DeepSpeed's name: the last step was skipped (accelerate reads it)
         self.gatherer = None  # stage 3: the ParamGatherer, set by attach_gatherer()
         self.reduce_comm: Communicator = comm  # where gradients are reduced (attach_gatherer)
         self._accepting_grads = False
@@ -582,6 +583,7 @@ class ZeroOptimizer:
         norm = self._global_norm(norm_inputs) * unscale
         self.global_grad_norm = norm
         overflow = self.settings.overflow_check and not math.isfinite(norm)
+        self.overflow = bool(overflow)
         if not overflow:
             factor = unscale * self._clip_coefficient(norm)
             if one_at_a_time:

@@ -622,10 +622,6 @@ def test_invalid_value_message_shows_value_and_fix():
     [
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ["fp16.enabled", "bf16.enabled"]),
         (
-            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-            ["zero_optimization.offload_param", "zero_optimization.stage"],
-        ),
-        (
             {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
             ["zero_optimization.offload_optimizer"],
         ),

@@ -1,0 +1,518 @@
+"""DeepSpeed's module paths served by zero: `import deepspeed` under zero-as-deepspeed.
+
+TABLE lists every DeepSpeed module path zero serves (deepspeed, deepspeed.runtime.engine,
+deepspeed.accelerator, ...) and the zero object behind each of its names. Once the doorway's
+`deepspeed` package (doorway/deepspeed/__init__.py) is imported, it calls install(), which puts
+_DoorwayFinder first in sys.meta_path and the module of the path "deepspeed" in sys.modules in
+the package's place. Each path is one module object (however it is imported) whose names resolve on
+first use, so `import deepspeed` imports neither torch nor the engine, and
+`from deepspeed import DeepSpeedEngine` gives zero.Engine itself (isinstance checks hold).
+
+Behaviour lives in zero's own modules; this module only maps names, except for DeepSpeed's small
+helpers that have no other home (clone_tensors_for_torch_save, recursive_getattr,
+recursive_setattr, DEEPSPEED_ENVIRONMENT_NAME), which are real functions here.
+
+[Note: names zero does not provide]
+A DeepSpeed name missing from TABLE is an error that names it, says zero does not provide it and
+points at docs/migrating-from-deepspeed.md: AttributeError for `deepspeed.X` and getattr (so
+hasattr and getattr's default still work), ModuleNotFoundError for `import deepspeed.x.y`, and
+ImportError for `from deepspeed.x import Y`; importlib.util.find_spec("deepspeed.x.y") raises
+that ModuleNotFoundError too instead of returning None (a finder cannot tell a probe from an
+import). A name TABLE lists whose zero object does not exist
+(an older zero) fails the same way when it is used, never when `deepspeed` is imported.
+
+[Note: from-imports of names zero lacks]
+For `from M import Y` CPython calls getattr(M, "Y") and, when that raises AttributeError,
+discards the error and raises its own "cannot import name 'Y' from 'M' (unknown location)",
+which would lose the message above. So a module's __getattr__ looks at the instruction its
+caller is executing: under IMPORT_FROM it raises ImportError with the message (ImportError is
+not discarded); anywhere else AttributeError. For a package M, CPython first tries to import
+"M.Y" as a submodule; the finder's ModuleNotFoundError there is discarded by design (its `name`
+is "M.Y"), and the getattr above then reports.
+"""
+
+import copy
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import opcode
+import os
+import re
+import sys
+import types
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("zero")
+
+# The DeepSpeed release whose API the doorway follows; `deepspeed.__version__` is this with
+# zero's version as the local label (doorway_version()).
+DEEPSPEED_API_VERSION = "0.19.8"
+API_VERSION_MAJOR, API_VERSION_MINOR, API_VERSION_PATCH = (
+    int(part) for part in DEEPSPEED_API_VERSION.split(".")
+)
+
+# What zero-as-deepspeed puts on PYTHONPATH (and its bin/ on PATH).
+DOORWAY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doorway")
+MIGRATION_DOC = "docs/migrating-from-deepspeed.md"
+
+# DeepSpeed's deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME: the name of the files
+# (~/NAME, ./NAME) of KEY=VALUE lines the launcher sets on every node of a multi-node job.
+DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
+
+
+def doorway_version() -> str:
+    """`deepspeed.__version__` and the doorway dist-info's version: DeepSpeed's API version with
+    zero's version as the local label, e.g. "0.19.8+zero.0.1.0" (so version checks against
+    DeepSpeed releases pass, and `pip list` says it is zero)."""
+    import zero
+
+    label = re.sub(r"[^0-9A-Za-z]+", ".", zero.__version__).strip(".").lower()
+    return f"{DEEPSPEED_API_VERSION}+zero.{label}"
+
+
+def __getattr__(name: str):
+    # DOORWAY_VERSION is computed on first use: zero.__version__ reads package metadata.
+    if name == "DOORWAY_VERSION":
+        value = globals()["DOORWAY_VERSION"] = doorway_version()
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's small helpers
+
+
+def clone_tensors_for_torch_save(item, device="cpu"):
+    """DeepSpeed's deepspeed.checkpoint.utils.clone_tensors_for_torch_save: `item` with every
+    tensor in it (at any depth of lists, tuples and dicts) replaced by a detached copy on
+    `device` (a torch.device or its name, default "cpu"), so torch.save writes each tensor's own
+    elements instead of the whole storage a view shares. Shapes and dtypes are kept; the copy
+    never shares memory with the original (DeepSpeed returns the tensor itself when `device`
+    names its device only loosely, "cuda" for cuda:0; zero always copies). Lists and tuples
+    come back as list and tuple, dicts keep their type (OrderedDict, defaultdict); any other
+    value is returned as it is. Not a collective."""
+    import torch
+
+    if torch.is_tensor(item):
+        return item.detach().to(torch.device(device), copy=True)
+    if isinstance(item, list):
+        return [clone_tensors_for_torch_save(value, device) for value in item]
+    if isinstance(item, tuple):
+        return tuple(clone_tensors_for_torch_save(value, device) for value in item)
+    if isinstance(item, dict):
+        result = copy.copy(item)
+        for key, value in item.items():
+            result[key] = clone_tensors_for_torch_save(value, device)
+        return result
+    return item
+
+
+def recursive_getattr(model, module_name: str):
+    """DeepSpeed's deepspeed.compression.helper.recursive_getattr: the attribute at the dotted
+    path `module_name` below `model` ("layers.0.attn" is model.layers[0].attn for a ModuleList,
+    whose children are attributes named "0", "1", ...). Raises AttributeError naming the first
+    missing part."""
+    value = model
+    for name in module_name.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def recursive_setattr(model, module_name: str, module) -> None:
+    """DeepSpeed's deepspeed.compression.helper.recursive_setattr: set the attribute at the
+    dotted path `module_name` below `model` to `module` (on a torch.nn.Module this registers a
+    submodule, replacing the old one). Raises AttributeError when a parent on the path is
+    missing."""
+    parent_path, _, name = module_name.rpartition(".")
+    parent = recursive_getattr(model, parent_path) if parent_path else model
+    setattr(parent, name, module)
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class DeepSpeedModule:
+    """One DeepSpeed module path the doorway serves.
+
+    about: what the DeepSpeed module is (the served module's docstring says it, and where zero
+        keeps the objects).
+    names: DeepSpeed name -> "zero.module:attribute", imported on first use.
+    all_of: a zero module every public name of which the DeepSpeed module has too
+        (deepspeed.comm has each name of zero.comm), besides `names`.
+    same_as: another path whose module object this path is (DeepSpeed's deepspeed.zero is
+        deepspeed.runtime.zero).
+    Child paths (deepspeed.runtime.engine below deepspeed.runtime) are attributes of their parent
+    and are imported on first use.
+    """
+
+    about: str
+    names: dict[str, str] = field(default_factory=dict)
+    all_of: str | None = None
+    same_as: str | None = None
+
+
+def _from(module: str, *names: str) -> dict[str, str]:
+    return {name: f"{module}:{name}" for name in names}
+
+
+_ZERO_PARAMETERS = (
+    "Init",
+    "GatheredParameters",
+    "register_external_parameter",
+    "unregister_external_parameter",
+    "ZeroParamStatus",
+)
+
+TABLE: dict[str, DeepSpeedModule] = {
+    "deepspeed": DeepSpeedModule(
+        "DeepSpeed's top-level names",
+        {
+            **_from("zero.api", "initialize", "add_config_arguments", "is_compile_supported"),
+            "init_distributed": "zero.comm:init_distributed",
+            "DeepSpeedEngine": "zero.engine:Engine",
+            "DeepSpeedConfig": "zero.config:DeepSpeedConfig",
+            "get_accelerator": "zero.accelerator:get_accelerator",
+            **_from("zero.utils", "log_dist", "logger"),
+            "__version__": f"{__name__}:DOORWAY_VERSION",
+            "__version_major__": f"{__name__}:API_VERSION_MAJOR",
+            "__version_minor__": f"{__name__}:API_VERSION_MINOR",
+            "__version_patch__": f"{__name__}:API_VERSION_PATCH",
+        },
+    ),
+    "deepspeed.comm": DeepSpeedModule("DeepSpeed's collectives for scripts", all_of="zero.comm"),
+    "deepspeed.zero": DeepSpeedModule("DeepSpeed's ZeRO names", same_as="deepspeed.runtime.zero"),
+    "deepspeed.runtime": DeepSpeedModule("DeepSpeed's training runtime"),
+    "deepspeed.runtime.engine": DeepSpeedModule(
+        "DeepSpeed's engine", {"DeepSpeedEngine": "zero.engine:Engine"}
+    ),
+    "deepspeed.runtime.config": DeepSpeedModule(
+        "DeepSpeed's parsed config", {"DeepSpeedConfig": "zero.config:DeepSpeedConfig"}
+    ),
+    "deepspeed.runtime.lr_schedules": DeepSpeedModule(
+        "DeepSpeed's learning-rate schedules",
+        _from("zero.optim.lr_schedules", "VALID_LR_SCHEDULES"),
+        all_of="zero.optim.lr_schedules",
+    ),
+    "deepspeed.runtime.zero": DeepSpeedModule(
+        "DeepSpeed's ZeRO names (also deepspeed.zero)",
+        _from("zero.zero", *_ZERO_PARAMETERS, "TiledLinear", "TiledLinearReturnBias"),
+    ),
+    "deepspeed.runtime.zero.partition_parameters": DeepSpeedModule(
+        "DeepSpeed's stage 3 parameter partitioning",
+        {
+            **_from("zero.zero", *_ZERO_PARAMETERS),
+            # read by transformers' prevent_arange_dtype_change (zero.Init wraps no constructor)
+            **_from(
+                "zero.partition.init",
+                "zero_wrapper_for_fp_tensor_constructor",
+                "_orig_torch_arange",
+                "get_accelerator",
+            ),
+        },
+    ),
+    "deepspeed.runtime.zero.offload_config": DeepSpeedModule(
+        "DeepSpeed's offload settings", _from("zero.config", "OffloadDeviceEnum")
+    ),
+    "deepspeed.runtime.zero.tiling": DeepSpeedModule(
+        "DeepSpeed's tiled linear layers",
+        _from("zero.zero", "TiledLinear", "TiledLinearReturnBias"),
+    ),
+    "deepspeed.runtime.activation_checkpointing": DeepSpeedModule(
+        "DeepSpeed's activation checkpointing"
+    ),
+    "deepspeed.runtime.activation_checkpointing.checkpointing": DeepSpeedModule(
+        "DeepSpeed's activation checkpointing (ZeRO-R)", all_of="zero.model_parallel.activation"
+    ),
+    "deepspeed.checkpointing": DeepSpeedModule(
+        "DeepSpeed's activation checkpointing (ZeRO-R)",
+        same_as="deepspeed.runtime.activation_checkpointing.checkpointing",
+    ),
+    "deepspeed.checkpoint": DeepSpeedModule("DeepSpeed's checkpoint tools"),
+    "deepspeed.checkpoint.utils": DeepSpeedModule(
+        "DeepSpeed's checkpoint helpers", _from(__name__, "clone_tensors_for_torch_save")
+    ),
+    "deepspeed.utils": DeepSpeedModule("DeepSpeed's utilities", all_of="zero.utils"),
+    "deepspeed.utils.zero_to_fp32": DeepSpeedModule(
+        "DeepSpeed's consolidation of ZeRO checkpoints", all_of="zero.checkpoint.zero_to_fp32"
+    ),
+    "deepspeed.accelerator": DeepSpeedModule(
+        "DeepSpeed's accelerator abstraction",
+        _from("zero.accelerator", "get_accelerator", "DeepSpeedAccelerator"),
+    ),
+    "deepspeed.ops": DeepSpeedModule("DeepSpeed's compiled ops"),
+    "deepspeed.ops.adam": DeepSpeedModule(
+        "DeepSpeed's Adam optimizers", _from("zero.ops.adam", "DeepSpeedCPUAdam", "FusedAdam")
+    ),
+    "deepspeed.launcher": DeepSpeedModule("DeepSpeed's launcher"),
+    "deepspeed.launcher.runner": DeepSpeedModule(
+        "DeepSpeed's launcher command (zero-as-deepspeed's `deepspeed` maps it onto zrun)",
+        _from(__name__, "DEEPSPEED_ENVIRONMENT_NAME"),
+    ),
+    "deepspeed.compression": DeepSpeedModule("DeepSpeed's model compression"),
+    "deepspeed.compression.helper": DeepSpeedModule(
+        "DeepSpeed's compression helpers", _from(__name__, "recursive_getattr", "recursive_setattr")
+    ),
+}
+
+# path -> names of its child paths (deepspeed.runtime -> engine, config, ...)
+_CHILDREN: dict[str, tuple[str, ...]] = {
+    parent: tuple(sorted(p.rpartition(".")[2] for p in TABLE if p.rpartition(".")[0] == parent))
+    for parent in TABLE
+}
+assert all(p == "deepspeed" or p.rpartition(".")[0] in TABLE for p in TABLE), "orphan path"
+
+
+def not_provided_message(name: str) -> str:
+    """The error for a DeepSpeed name zero does not provide ([Note: names zero does not
+    provide])."""
+    return (
+        f"zero does not provide DeepSpeed's {name}: zero runs in place of DeepSpeed here "
+        "(zero-as-deepspeed) and maps only the DeepSpeed names it implements. See "
+        f"{MIGRATION_DOC} for the names zero provides and what to use instead"
+    )
+
+
+def _missing_target_message(name: str, target: str, cause: BaseException) -> str:
+    return (
+        f"DeepSpeed's {name} maps to {target.replace(':', '.')}, which this zero does not have "
+        f"({cause}); update zero, or see {MIGRATION_DOC} for what to use instead"
+    )
+
+
+def _load_target(name: str, target: str):
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        # Only the target module itself missing is "zero does not have it"; a module missing
+        # among its own imports is that module's error.
+        if error.name is None or not (module_name + ".").startswith(error.name + "."):
+            raise
+        raise AttributeError(_missing_target_message(name, target, error)) from error
+    try:
+        return getattr(module, attribute)
+    except AttributeError as error:
+        raise AttributeError(_missing_target_message(name, target, error)) from error
+
+
+def _is_zero_object(value) -> bool:
+    # A module's public names, without what it imported: modules, and classes and functions
+    # defined outside zero (typing's, torch's). Constants and instances (a logger) count.
+    if isinstance(value, types.ModuleType):
+        return False
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return (getattr(value, "__module__", None) or "").split(".")[0] == "zero"
+    return True
+
+
+def _public_names(module: types.ModuleType) -> set[str]:
+    names = getattr(module, "__all__", None)
+    if names is not None:
+        return set(names)
+    return {n for n, v in vars(module).items() if not n.startswith("_") and _is_zero_object(v)}
+
+
+def listed_names(path: str) -> set[str]:
+    """The names the served module `path` has (TABLE's names and, with all_of, the zero
+    module's public names; not its child paths). Imports the all_of module."""
+    entry = TABLE[path]
+    names = set(entry.names)
+    if entry.all_of is not None:
+        names |= _public_names(importlib.import_module(entry.all_of))
+    return names
+
+
+def resolve(path: str, name: str):
+    """The zero object behind DeepSpeed's `path`.`name` (a name of TABLE[path], not a child
+    path). Raises AttributeError naming the DeepSpeed name when zero does not provide it or
+    its zero object is missing ([Note: names zero does not provide])."""
+    entry = TABLE[path]
+    if name in entry.names:
+        return _load_target(f"{path}.{name}", entry.names[name])
+    if name == "__all__":
+        return sorted(listed_names(path))
+    if entry.all_of is not None and not name.startswith("_"):
+        module = importlib.import_module(entry.all_of)
+        if name in _public_names(module):
+            return getattr(module, name)
+    if name.startswith("__") and name.endswith("__"):
+        # Python's own probes (__file__, __wrapped__, ...): the usual message.
+        raise AttributeError(f"module {path!r} has no attribute {name!r}")
+    raise AttributeError(not_provided_message(f"{path}.{name}"))
+
+
+_IMPORT_FROM = opcode.opmap["IMPORT_FROM"]
+
+
+def _executing_import_from(frame) -> bool:
+    # [Note: from-imports of names zero lacks]
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM
+
+
+class _DoorwayModule(types.ModuleType):
+    """The module of one TABLE path: child paths and names resolve on first use and are then
+    kept in the module's namespace."""
+
+    def __getattr__(self, name: str):
+        path = self.__name__
+        if name in _CHILDREN[path]:
+            return importlib.import_module(f"{path}.{name}")
+        try:
+            value = resolve(path, name)
+        except AttributeError as error:
+            if _executing_import_from(sys._getframe(1)):
+                raise ImportError(str(error), name=path) from error
+            raise
+        setattr(self, name, value)
+        return value
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *_CHILDREN[self.__name__], *listed_names(self.__name__)})
+
+
+def _about(path: str) -> str:
+    entry = TABLE[path]
+    sources = sorted({t.partition(":")[0] for t in entry.names.values()} | {entry.all_of} - {None})
+    where = f" Its names are zero's, from {', '.join(sources)}." if sources else ""
+    return f"{entry.about}, served by zero ({__name__}; zero-as-deepspeed, {MIGRATION_DOC}).{where}"
+
+
+def canonical_path(path: str) -> str:
+    """The TABLE path whose module `path` names: `path` itself, or `path` with a same_as prefix
+    replaced (deepspeed.zero.partition_parameters -> deepspeed.runtime.zero.partition_parameters),
+    so a module has one object under every name."""
+    head = path
+    while head:
+        entry = TABLE.get(head)
+        if entry is not None and entry.same_as is not None:
+            return entry.same_as + path[len(head) :]
+        head = head.rpartition(".")[0]
+    return path
+
+
+class _DoorwayFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves `deepspeed` and every TABLE path, one module object per path (a same_as path is
+    its target's module); raises the not-provided error for other paths directly below a served
+    package."""
+
+    def __init__(self, shim_file: str):
+        self.shim_file = shim_file
+        self._specs: dict[str, importlib.machinery.ModuleSpec] = {}
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname.partition(".")[0] != "deepspeed":
+            return None
+        canonical = canonical_path(fullname)
+        if canonical in TABLE:
+            return self._spec(fullname)
+        parent, _, name = canonical.rpartition(".")
+        if parent not in TABLE or name in listed_names(parent):
+            # Below a path that is not served (importing it already failed), or a name of a
+            # served module, which is not a module: the import system's own error.
+            return None
+        raise ModuleNotFoundError(not_provided_message(fullname), name=fullname)
+
+    def _spec(self, fullname: str) -> importlib.machinery.ModuleSpec:
+        spec = self._specs.get(fullname)
+        if spec is None:
+            top = fullname == "deepspeed"
+            spec = importlib.machinery.ModuleSpec(
+                fullname,
+                self,
+                origin=self.shim_file if top else __name__,
+                is_package=bool(_CHILDREN[canonical_path(fullname)]),
+            )
+            spec.has_location = top  # deepspeed.__file__ is the doorway package's file
+            self._specs[fullname] = spec
+        return spec
+
+    def create_module(self, spec):
+        canonical = canonical_path(spec.name)
+        if canonical != spec.name:
+            return importlib.import_module(canonical)
+        return _DoorwayModule(spec.name, _about(spec.name))
+
+    def exec_module(self, module):
+        if module.__spec__.name != module.__name__:
+            # A same_as path: the import system gave the shared module this path's spec; it
+            # keeps its own.
+            module.__spec__ = self._spec(module.__name__)
+
+
+def install(shim_file: str) -> types.ModuleType:
+    """Make `deepspeed` zero's: put the doorway's finder first in sys.meta_path (once), put the
+    module of the path "deepspeed" in sys.modules, and report a real DeepSpeed it shadows
+    (report_shadowed_deepspeed). Called by the doorway's deepspeed/__init__.py with its own
+    file; returns the module that replaces it."""
+    finder = next((f for f in sys.meta_path if isinstance(f, _DoorwayFinder)), None)
+    if finder is None:
+        finder = _DoorwayFinder(shim_file)
+        sys.meta_path.insert(0, finder)
+    spec = finder.find_spec("deepspeed")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["deepspeed"] = module
+    report_shadowed_deepspeed(os.path.dirname(os.path.dirname(os.path.abspath(shim_file))))
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# A real DeepSpeed that the doorway shadows
+
+
+@dataclass(frozen=True)
+class RealDeepSpeed:
+    """A DeepSpeed package importable outside the doorway: its version ("unknown version"
+    without metadata) and the directory of its package."""
+
+    version: str
+    location: str
+
+
+def find_real_deepspeed(doorway_dir: str, paths: Iterable[str]) -> RealDeepSpeed | None:
+    """The `deepspeed` package that `paths` (entries as in sys.path, "" for the working
+    directory) give when `doorway_dir` is left out; None when there is none (a directory named
+    deepspeed without __init__.py is no package and does not count)."""
+    doorway = os.path.realpath(doorway_dir)
+    others = [p for p in paths if os.path.realpath(p or os.curdir) != doorway]
+    spec = importlib.machinery.PathFinder.find_spec("deepspeed", others)
+    if spec is None or spec.origin is None or not spec.has_location:
+        return None
+    from importlib import metadata
+
+    found = next(iter(metadata.distributions(name="deepspeed", path=others)), None)
+    version = found.version if found is not None else "unknown version"
+    return RealDeepSpeed(version, os.path.dirname(spec.origin))
+
+
+def shadow_message(real: RealDeepSpeed, doorway_dir: str) -> str:
+    """Says that zero runs in place of the real DeepSpeed and how to run DeepSpeed instead."""
+    import zero
+
+    return (
+        f"zero {zero.__version__} runs in place of DeepSpeed {real.version} at {real.location}: "
+        f"`import deepspeed` finds zero's DeepSpeed doorway {doorway_dir} first (zero-as-deepspeed "
+        "puts it on PYTHONPATH). To run DeepSpeed instead, run the command without "
+        "zero-as-deepspeed, or remove that directory from PYTHONPATH"
+    )
+
+
+_shadow_reported = False
+
+
+def report_shadowed_deepspeed(doorway_dir: str) -> None:
+    """Log shadow_message once per process, on rank 0 (RANK unset or "0"), when a real
+    DeepSpeed is importable from sys.path outside `doorway_dir`."""
+    global _shadow_reported
+    if _shadow_reported or os.environ.get("RANK", "0") != "0":
+        return
+    _shadow_reported = True
+    real = find_real_deepspeed(doorway_dir, sys.path)
+    if real is not None:
+        logger.warning(shadow_message(real, doorway_dir))
