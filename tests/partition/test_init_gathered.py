@@ -40,12 +40,13 @@ class Sinusoidal(nn.Module):
         with zero.GatheredParameters(self.conv.weight, modifier_rank=0):
             self.conv = nn.utils.parametrizations.weight_norm(self.conv, name="weight", dim=2)
         self.embed = nn.Embedding(11, DIM)
-        with zero.GatheredParameters(self.embed.weight):
+        with zero.GatheredParameters(self.embed.weight, modifier_rank=0):
             alias = self.embed.weight.data  # kept across more than KEEP_GATHERED touches
             self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
             for layer in self.layers:
                 nn.init.normal_(layer.weight, std=0.1)
                 nn.init.zeros_(layer.bias)
+            alias.mul_(0.5)
             self.rows = alias.shape[0]
         self.head = nn.Linear(DIM, 11)
         nn.init.normal_(self.head.weight, std=0.02)  # touched before a gather: kept
@@ -169,10 +170,10 @@ def tiled():
     want = zero.zero.TiledLinear(7, 5, in_splits=2, out_splits=3, init_linear=source)
     with zero.Init():
         source_init = nn.Linear(7, 5)
-        with zero.GatheredParameters(list(source_init.parameters()), modifier_rank=0):
-            with torch.no_grad():
-                source_init.weight.copy_(source.weight)
-                source_init.bias.copy_(source.bias)
+        params = list(source_init.parameters())
+        with zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+            source_init.weight.copy_(source.weight)
+            source_init.bias.copy_(source.bias)
         got = zero.zero.TiledLinear(7, 5, in_splits=2, out_splits=3, init_linear=source_init)
     return all(
         torch.equal(gather_full(p), want.get_parameter(n)) for n, p in got.named_parameters()

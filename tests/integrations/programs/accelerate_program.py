@@ -50,7 +50,7 @@ def main():
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(accelerator.gather(loss.detach()).mean().item())
+        losses.append(loss.item())
         if step + 1 == args.save_at and not args.resume_from:
             accelerator.save_state(os.path.join(args.output_dir, "state"))
     state = accelerator.get_state_dict(model)
