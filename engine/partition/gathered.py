@@ -51,10 +51,11 @@ class GatheredParameters:
     partition (frozen ones below stage 3, or of a model without an engine) pass through
     unchanged. Parameters of a model built under zero.Init and not yet given to
     zero.initialize are gathered too, also inside an open zero.Init context (in a module's
-    __init__), and stay gathered until exit, where they are partitioned again from
-    modifier_rank's full values (rank 0's when it is None); see [Note: held parameters] in
-    init.py. Contexts nest: a unit stays gathered until the outermost one exits, and an inner
-    one with modifier_rank set broadcasts that rank's values on its exit.
+    __init__), and stay gathered until the outermost context on them exits, where they are
+    partitioned again from modifier_rank's full values (an inner context's modifier_rank when
+    the outermost one's is None; rank 0's when none is set). Inner contexts on them communicate
+    nothing, so rank 0 alone may open one (see [Note: held parameters] in init.py). Contexts
+    nest: a unit stays gathered until the outermost one exits.
 
     Raises ValueError for a modifier_rank outside the data-parallel group.
     """

@@ -32,10 +32,14 @@ _init_weights: distilbert's sinusoidal table written on rank 0 alone, the weight
 wav2vec2's positional conv) holds its parameters: hold() gathers them and counts the hold on the
 shard (InitShard.holds); a held parameter is not among the recently touched ones, so neither a
 torch operation on it (which may run on one rank only) nor a module finishing __init__ gathers
-or releases it, and aliases of it stay valid for the whole block. The last unhold() releases it
-(broadcast from modifier_rank, or rank 0, slice kept); an inner unhold() with a modifier_rank
-broadcasts that rank's full value at once, so the ranks agree while an outer hold remains. One
-owner per gathered state: a parameter is released only while gathered, exactly once.
+or releases it, and aliases of it stay valid for the whole block. The last unhold() releases it:
+rank `source`'s full value is broadcast and each rank keeps its slice, where `source` is the
+modifier_rank of the last block to exit that set one (rank 0 when none did). Blocks nested in an
+outer one on the same parameters communicate nothing, neither on entry nor on exit, so code
+that runs on rank 0 alone may open them (transformers initializes weights on rank 0 alone inside
+GatheredParameters(params, modifier_rank=0), and _init_weights opens its own blocks); their
+modifications reach the other ranks when the outermost block exits. One owner per gathered
+state: a parameter is released only while gathered, exactly once.
 
 After the context, zero.initialize gathers each parameter once more, one bucket at a time, to lay
 it out (stages.py); until then `param.numel()` is 0 and full_shape(param) gives the shape.
@@ -108,7 +112,8 @@ class InitShard:
     the meta device has no values) and `ds_status` follows `gathered` (AVAILABLE or
     NOT_AVAILABLE; gathering here is synchronous, so never INFLIGHT). Both are written only by
     the `gathered` setter and keep_owned(). holds: open zero.GatheredParameters blocks that
-    keep the parameter gathered ([Note: held parameters]).
+    keep the parameter gathered, and source: the modifier_rank of the last of them to exit that
+    set one, whose value the release broadcasts ([Note: held parameters]).
     """
 
     def __init__(self, param, home, comm: Communicator, comm_device, device, pin):
@@ -121,7 +126,7 @@ class InitShard:
         self.shape = self.data = None
         set_tensor(param, None)
         self.gathered = True  # until release_in_place() keeps the slice
-        self.holds = 0
+        self.holds, self.source = 0, None
 
     @property
     def gathered(self) -> bool:
@@ -294,29 +299,22 @@ def hold(params) -> None:
 
 def unhold(params, modifier_rank: int | None = None) -> None:
     """End one hold() of each of `params`. A parameter no longer held is partitioned again from
-    rank `modifier_rank`'s full value (rank 0's when None); one still held gets that rank's full
-    value at once when `modifier_rank` is set. Parameters an engine has taken since (zero.
-    initialize inside the block) are skipped. Collective."""
+    the full value of rank `modifier_rank`, or of the last inner block's modifier_rank when it
+    is None, or of rank 0 ([Note: held parameters]): collective then. A parameter still held
+    only records `modifier_rank`, without communication. Parameters an engine has taken since
+    (zero.initialize inside the block) are skipped."""
     for param in params:
         if not is_partitioned(param):
             continue
         shard = param.zero_shard
         assert shard.holds > 0, f"rank {shard.comm.rank}: unhold of a parameter not held"
         shard.holds -= 1
-        with own_ops():
-            if shard.holds == 0:
-                release_in_place(param, src=modifier_rank or 0)
-            elif modifier_rank is not None:
-                with torch.no_grad():
-                    _broadcast_full(param, modifier_rank)
-
-
-def _broadcast_full(param, src: int) -> None:
-    """Give every rank's gathered `param` rank `src`'s full value (on its home device)."""
-    shard = param.zero_shard
-    full = param.data.to(shard.comm_device, copy=True).contiguous()
-    shard.comm.broadcast(full, src=src)
-    param.data.copy_(full.view(param.shape))
+        if modifier_rank is not None:
+            shard.source = modifier_rank
+        if shard.holds == 0:
+            source, shard.source = shard.source, None
+            with own_ops():
+                release_in_place(param, src=source or 0)
 
 
 # [Note: the keys Init reads]

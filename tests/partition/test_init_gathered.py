@@ -138,7 +138,13 @@ def modified():
                 if rank == 1:
                     with torch.no_grad():
                         layer.bias.fill_(-2.0)
-            inner = layer.bias.tolist()  # rank 1's values on every rank already
+            inner = layer.bias.numel()
+        # transformers' initialize_weights_zero3: rank 0 alone initializes inside an outer
+        # block, and _init_weights opens its own (no communication: the outer one holds them)
+        with zero.GatheredParameters(list(layer.parameters()), modifier_rank=0):
+            if rank == 0:
+                with zero.GatheredParameters(layer.weight, modifier_rank=0), torch.no_grad():
+                    layer.weight.add_(1.0)
         other = nn.Linear(4, 3)
         other.weight = nn.Parameter(torch.ones(3, 4))  # re-assigned: partitioned at once
         with zero.GatheredParameters(other.weight, modifier_rank=0):
@@ -261,8 +267,8 @@ def test_read_only_gathering_inside_init_keeps_shapes_and_values(results):
 def test_modifier_rank_writes_inside_init_reach_every_shard(results):
     for res in results:
         got = _get(res, "modified")
-        assert got["weight"] == ((3, 4), [7.0])
-        assert got["bias"] == ([-2.0] * 3, [-2.0] * 3)
+        assert got["weight"] == ((3, 4), [8.0])
+        assert got["bias"] == (3, [-2.0] * 3)
 
 
 def test_gathering_a_parameter_reassigned_inside_init(results):

@@ -1,0 +1,77 @@
+"""A DeepSpeed-Chat step-1 style SFT program (programs/dschat_sft_program.py: get_accelerator,
+HfDeepSpeedConfig, LoRA sized from ds_shape, FusedAdam / DeepSpeedCPUAdam, a transformers
+scheduler, LoRA fused under GatheredParameters(modifier_rank=0), the ds_id-gated stage-3 save)
+started by DeepSpeed's `deepspeed` launcher under zero-as-deepspeed, 2 CPU ranks. Its saved model
+reloads with from_pretrained equal to the engine's weights, the LoRA update is fused into it, and
+stage 3 with CPU offload ends where stage 2 does."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from zero.launcher.world import find_free_port  # noqa: E402
+
+PROGRAM = Path(__file__).resolve().parent / "programs" / "dschat_sft_program.py"
+DOORWAY = [sys.executable, "-m", "zero.integrations.doorway_cli"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def sft(model_dir, out, *extra) -> dict:
+    """Run the program; returns the model from_pretrained reads back from its output."""
+    from transformers import AutoModelForCausalLM
+
+    command = [*DOORWAY, "deepspeed", "--num_gpus", "2", "--master_port", str(find_free_port())]
+    command += [str(PROGRAM), "--model_dir", str(model_dir), "--output_dir", str(out / "model")]
+    command += ["--lora_dim", "4", "--reference_out", str(out / "engine.safetensors")]
+    command += [*extra, "--deepspeed"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_dschat_style_sft_saves_what_the_engine_trained(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    saved = {}
+    for stage, extra in ((2, ()), (3, ("--offload",))):
+        out = tmp_path / f"stage{stage}"
+        saved[stage] = sft(model_dir, out, "--zero_stage", str(stage), *extra)
+        engine = load_file(out / "engine.safetensors")
+        assert saved[stage].keys() == engine.keys() == initial.keys()
+        for key, value in engine.items():  # every tensor whole, as the engine holds it
+            assert torch.equal(saved[stage][key], value), (stage, key)
+        # the base projections are frozen under LoRA: only the fused update moved them
+        fused = "model.layers.0.self_attn.q_proj.weight"
+        assert not torch.equal(saved[stage][fused], initial[fused]), stage
+    for key, value in saved[2].items():
+        torch.testing.assert_close(saved[3][key], value, rtol=0, atol=1e-5, msg=key)
