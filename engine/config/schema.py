@@ -15,7 +15,6 @@ are read-only mappings and lists are tuples.
 """
 
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 import torch
@@ -33,6 +32,7 @@ from .values import (
     StepsOrNever,
     _Block,
     _capitalize,
+    _freeze,
     _lower,
     _upper,
     _whole,
@@ -669,7 +669,7 @@ class Config(_Block):
     # engine.config.get("zero_optimization", {}).get("stage"). These read the resolved values
     # under DeepSpeed's key names, without nulls (an absent block stays absent), read-only.
     def _deepspeed_dict(self) -> Mapping[str, Any]:
-        return MappingProxyType(self.model_dump(mode="json", exclude_none=True))
+        return _freeze(self.model_dump(mode="json", exclude_none=True))
 
     def get(self, key: str, default: Any = None) -> Any:
         """DeepSpeed's dict read: the resolved value of top-level `key`, else `default`."""

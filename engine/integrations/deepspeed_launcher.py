@@ -189,8 +189,9 @@ def zrun_argv(args: argparse.Namespace) -> list[str]:
         launcher = args.launcher.lower()  # DeepSpeed's names are case-insensitive
         if launcher not in LAUNCHERS:
             raise NotImplementedError(
-                f"--launcher {args.launcher}: zrun starts the nodes of a job with "
-                f"{', '.join(LAUNCHERS)} (or ssh); use one of those"
+                f"--launcher {args.launcher}: DeepSpeed's launchers zrun provides are "
+                f"{', '.join(LAUNCHERS)}; use one of those, or plain ssh by running zrun "
+                "itself (zrun --launcher ssh)"
             )
         flags += ["--launcher", launcher, *deepspeed_env_flags()]
     return [*flags, args.user_script, *args.user_args]

@@ -283,9 +283,9 @@ def release_in_place(param, src: int = 0) -> None:
 def hold(params) -> None:
     """Gather zero.Init parameters (each at most once in `params`) and keep them gathered until
     unhold(), whatever an open zero.Init context does meanwhile ([Note: held parameters]); for
-    zero.GatheredParameters. Holds nest. Collective, in the same order on every rank. Raises
-    ValueError for a parameter built on the meta device that has no values yet, before any
-    parameter is gathered."""
+    zero.GatheredParameters. Holds nest. Collective (in the same order on every rank) for the
+    parameters not gathered yet; none for the others. Raises ValueError, before gathering any,
+    for a parameter built on the meta device that has no values yet."""
     params = list(params)
     for param in params:
         _refuse_empty(param.zero_shard)

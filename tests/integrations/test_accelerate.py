@@ -120,6 +120,8 @@ def test_accelerate_launch_with_deepspeed_plugin(stage, model_dir, reference, tm
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=key)
     state = tmp_path / "full" / "state"
     assert (state / "latest").read_text().strip() == "pytorch_model"
+    if stage != 3:
+        return  # load_state is the same code at every stage: one stage keeps the suite short
 
     resumed = launch(tmp_path, stage, model_dir, tmp_path / "resumed", "--resume_from", str(state))
     assert resumed["losses"] == full["losses"][2:]

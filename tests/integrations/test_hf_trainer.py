@@ -1,8 +1,8 @@
 """An unchanged Hugging Face Trainer program (programs/trainer_program.py) trains, evaluates,
 saves and resumes on zero under zero-as-deepspeed: 2 CPU ranks, a tiny Llama built here, stage 2
 with the optimizer offloaded and stage 3 with optimizer and parameters offloaded. Losses and
-weights equal the same program on torch DDP, and a run resumed from its step-2 checkpoint ends
-bitwise equal to the uninterrupted one."""
+weights equal the same program on torch DDP, and (stage 3) a run resumed from its step-2
+checkpoint ends bitwise equal to the uninterrupted one."""
 
 import json
 import os
@@ -114,6 +114,8 @@ def test_trainer_trains_saves_and_resumes_like_ddp(name, model_dir, reference, t
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=key)
     checkpoint = tmp_path / "full" / "checkpoint-2"
     assert (checkpoint / "latest").read_text().strip() == "global_step2"
+    if name != "stage3_offload":
+        return  # resuming is the same code at every stage: one stage keeps the suite short
 
     resumed_out = tmp_path / "resumed"
     resumed_out.mkdir()
