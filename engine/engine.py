@@ -292,6 +292,7 @@ class Engine(torch.nn.Module):
             offload_param=self._offload_param is not None,
             pin_param=bool(self._offload_param and self._offload_param.pin_memory),
             accum_dtype=self.config.grad_accum_dtype,
+            average_over_ranks=self.config.gradient_allreduce_op == "mean",
         )
 
     @property

@@ -338,7 +338,7 @@ def _reduced_grad(target: _Target, caller: str) -> torch.Tensor:
     # The shard holds the sum over ranks of loss-scaled gradients; step() multiplies the same way.
     # fp32 even when the shard is 2-byte (data_types.grad_accum_dtype bf16/fp16).
     shard = target.bucket.grad_shard.to(torch.float32)
-    return shard * (1.0 / (optimizer.comm.world_size * optimizer.scaler.scale))
+    return shard * optimizer.unscale_factor()
 
 
 def _state(target: _Target, key: str, caller: str):

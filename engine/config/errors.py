@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 class ConfigNotImplementedError(ConfigError, NotImplementedError):
     """A valid DeepSpeed setting that zero does not implement and that would change what is
-    trained if ignored (ZeRO++, gradient_allreduce_op "sum", torch_autocast, ...): both a
+    trained if ignored (ZeRO++, torch_autocast, ...): both a
     ``ConfigError`` and a ``NotImplementedError``. Raised when every problem found is one."""
 
 

@@ -71,7 +71,7 @@ def load_config(
             message names the dotted key, the value and the fix (and the file, if any).
         ConfigNotImplementedError (a ConfigError and a NotImplementedError): only valid
             DeepSpeed settings zero does not implement and would change the run if ignored
-            (ZeRO++ / MiCS, gradient_allreduce_op "sum", torch_autocast, AutoTP, ...).
+            (ZeRO++ / MiCS, torch_autocast, AutoTP, ...).
 
     Warns:
         FutureWarning for each deprecated DeepSpeed name; UserWarning for enabled blocks of

@@ -483,7 +483,9 @@ class Config(_Block):
         "step() updates) is refused.",
     )
     gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = Field(
-        "mean", description="Average gradients over ranks; sum is refused."
+        "mean",
+        description="How the data-parallel ranks' gradients combine: mean averages them, sum "
+        "adds them (each update world-size times the averaged one).",
     )
     dump_state: bool = Field(False, description="DeepSpeed: print its state after initialize.")
     disable_allgather: bool = Field(
@@ -580,14 +582,6 @@ class Config(_Block):
                 "zero steps the optimizer at the gradient accumulation boundary only "
                 "(gradient_accumulation_steps); each step() would not apply an update.",
                 True,
-            )
-        if self.gradient_allreduce_op != "mean":
-            raise _refused(
-                "gradient_allreduce_op",
-                self.gradient_allreduce_op,
-                "zero averages gradients over the data-parallel ranks; summing them makes each "
-                "update world-size times larger.",
-                "mean",
             )
         quant = self.weight_quantization
         if quant is not None and quant.get("enabled", True) is not False:

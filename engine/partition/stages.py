@@ -147,6 +147,9 @@ class ReduceSettings:
     offload_param: bool = False
     pin_param: bool = False
     accum_dtype: torch.dtype = torch.float32
+    # [gradient_allreduce_op] "mean" (True): the step uses the gradient averaged over the
+    # data-parallel ranks; "sum" (False): their sum, DeepSpeed's meaning of the key.
+    average_over_ranks: bool = True
     # nvme offload or a partial one (ratio < 1): a zero.nvme.OptimizerOffload, and `offload`
     # is False (engine/offload/nvme.py places each bucket and runs the step).
     split: object | None = None
@@ -579,7 +582,7 @@ class ZeroOptimizer:
             shards = norm_inputs = [self._fp32_grad(b) for b in self.buckets]
         # The shards hold sum-over-ranks of loss-scaled gradients; averaging, unscaling and
         # clipping are folded into one multiplication.
-        unscale = 1.0 / (self.comm.world_size * self.scaler.scale)
+        unscale = self.unscale_factor()
         norm = self._global_norm(norm_inputs) * unscale
         self.global_grad_norm = norm
         overflow = self.settings.overflow_check and not math.isfinite(norm)
@@ -595,6 +598,13 @@ class ZeroOptimizer:
         self.scaler.update(bool(overflow), self.comm.rank)
         self.clear_gradients()
         return not overflow
+
+    def unscale_factor(self) -> float:
+        """The factor from a reduced shard (the sum over ranks of loss-scaled gradients) to the
+        gradient the optimizer steps on: 1 / (world size x loss scale), or 1 / loss scale with
+        gradient_allreduce_op "sum"."""
+        ranks = self.comm.world_size if self.settings.average_over_ranks else 1
+        return 1.0 / (ranks * self.scaler.scale)
 
     @staticmethod
     def _fp32_grad(bucket: Bucket) -> torch.Tensor:

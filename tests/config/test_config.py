@@ -927,7 +927,6 @@ REFUSED = [
         "managed_gradient_accumulation = false",
         "managed_gradient_accumulation: true",
     ),
-    ({"gradient_allreduce_op": "SUM"}, 'gradient_allreduce_op = "sum"', 'op: "mean"'),
     (
         {"data_types": {"keep_in_fp32_modules": ["norm"]}},
         'data_types.keep_in_fp32_modules = ["norm"]',

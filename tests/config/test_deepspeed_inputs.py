@@ -287,7 +287,6 @@ def test_offload_devices_compare_to_deepspeeds_enum():
 @pytest.mark.parametrize(
     "extra, key",
     [
-        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),  # DeepSpeed 0.18+: no average
         ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_quantized_gradients"),
         ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
         ({"weight_quantization": {"enabled": True}}, "weight_quantization"),
@@ -299,6 +298,7 @@ def test_unimplemented_settings_raise_not_implemented_naming_the_key(extra, key)
     assert isinstance(info.value, NotImplementedError) and isinstance(info.value, ConfigError)
     assert key in str(info.value) and "Remove" in str(info.value)
     assert load({"gradient_allreduce_op": "MEAN"}).gradient_allreduce_op == "mean"
+    assert load({"gradient_allreduce_op": "SUM"}).gradient_allreduce_op == "sum"
     # a wrong value is not "unsupported": a plain ConfigError
     with pytest.raises(ConfigError) as info:
         load({"gradient_allreduce_op": "max"})
