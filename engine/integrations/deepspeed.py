@@ -477,18 +477,36 @@ class RealDeepSpeed:
 
 def find_real_deepspeed(doorway_dir: str, paths: Iterable[str]) -> RealDeepSpeed | None:
     """The `deepspeed` package that `paths` (entries as in sys.path, "" for the working
-    directory) give when `doorway_dir` is left out; None when there is none (a directory named
-    deepspeed without __init__.py is no package and does not count)."""
+    directory) give when `doorway_dir` is left out, or that another finder on sys.meta_path
+    gives (an editable install's finder); None when there is none (a directory named deepspeed
+    without __init__.py is no package and does not count)."""
     doorway = os.path.realpath(doorway_dir)
     others = [p for p in paths if os.path.realpath(p or os.curdir) != doorway]
     spec = importlib.machinery.PathFinder.find_spec("deepspeed", others)
+    for finder in sys.meta_path:
+        if spec is not None:
+            break
+        if isinstance(finder, _DoorwayFinder) or finder is importlib.machinery.PathFinder:
+            continue
+        find = getattr(finder, "find_spec", None)
+        try:
+            spec = find("deepspeed", None) if find is not None else None
+        except Exception:  # a third-party finder's failure is not ours to report
+            spec = None
     if spec is None or spec.origin is None or not spec.has_location:
+        return None
+    if os.path.realpath(os.path.dirname(os.path.dirname(spec.origin))) == doorway:
         return None
     from importlib import metadata
 
-    found = next(iter(metadata.distributions(name="deepspeed", path=others)), None)
-    version = found.version if found is not None else "unknown version"
-    return RealDeepSpeed(version, os.path.dirname(spec.origin))
+    versions = [
+        d.version
+        for d in metadata.distributions(name="deepspeed")
+        if not str(d.version).startswith(f"{DEEPSPEED_API_VERSION}+zero")
+    ]
+    return RealDeepSpeed(
+        versions[0] if versions else "unknown version", os.path.dirname(spec.origin)
+    )
 
 
 def shadow_message(real: RealDeepSpeed, doorway_dir: str) -> str:

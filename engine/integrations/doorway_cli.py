@@ -1,7 +1,7 @@
 """zero-as-deepspeed: run a program written for DeepSpeed, unchanged, on zero.
 
     zero-as-deepspeed COMMAND [ARGS...]
-    zero-as-deepspeed python train.py --deepspeed ds_config.json
+    zero-as-deepspeed torchrun --nproc_per_node 1 train.py --deepspeed ds_config.json
     zero-as-deepspeed accelerate launch --config_file ds.yaml train.py
     zero-as-deepspeed torchrun --nproc_per_node 2 train.py --deepspeed ds_config.json
     zero-as-deepspeed deepspeed --num_gpus 2 main.py --deepspeed_config ds_config.json

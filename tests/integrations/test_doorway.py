@@ -291,3 +291,28 @@ def test_deepspeed_helpers():
     assert model[1][0] is replacement
     with pytest.raises(AttributeError):
         doorway.recursive_getattr(model, "0.missing")
+
+
+def test_a_real_deepspeed_behind_an_editable_install_finder_is_found(tmp_path, monkeypatch):
+    """`pip install -e DeepSpeed` puts a finder on sys.meta_path, not a path entry: the doorway
+    must still see it and say that it runs in its place."""
+    import importlib.abc
+    import importlib.util
+
+    package = tmp_path / "src" / "deepspeed"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("__version__ = '0.16.4'\n")
+
+    class EditableFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "deepspeed":
+                return None
+            init = str(package / "__init__.py")
+            return importlib.util.spec_from_file_location(
+                name, init, submodule_search_locations=[str(package)]
+            )
+
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, EditableFinder()])
+    real = doorway.find_real_deepspeed(doorway.DOORWAY_DIR, [doorway.DOORWAY_DIR])
+    assert real is not None and real.location == str(package)
+    assert "runs in place of DeepSpeed" in doorway.shadow_message(real, doorway.DOORWAY_DIR)
