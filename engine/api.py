@@ -44,7 +44,9 @@ def initialize(
         model: the torch.nn.Module to train (required).
         optimizer: a freshly built torch.optim.Optimizer over the model's parameters; it keeps
             its param groups and hyper-parameters but steps on this rank's shards. Without it the
-            config's `optimizer` block builds one.
+            config's `optimizer` block builds one. Without either (or when no parameter of the
+            model requires grad) the engine is built for inference, as DeepSpeed's is: see
+            below.
         model_parameters: parameters (or param-group dicts) for the config's optimizer; default
             the model's trainable parameters.
         training_data: a torch Dataset; a DataLoader over a DistributedSampler with
@@ -59,10 +61,21 @@ def initialize(
 
     Returns (engine, optimizer, dataloader or None, lr_scheduler or None).
 
+    ZeRO-Inference: with no optimizer= and no `optimizer` block, or a model none of whose
+    parameters requires grad (a given optimizer or block is then not used, with a warning), the
+    engine runs forward, evaluation and generation at any stage and holds the parameters only
+    (stage 3: a 1/N shard of each, on the host or nvme with offload_param; stages 0-2: whole);
+    no gradient buffer, fp32 master weight or optimizer state is allocated. The optimizer and
+    lr_scheduler returned are None; engine.backward() and engine.step() raise RuntimeError
+    naming why there is no optimizer. DeepSpeed builds such an engine at stage 3 (its
+    DeepSpeedZeRoOffload) and at stage 0, and refuses stages 1 and 2; zero builds it at each
+    stage (stages 1 and 2 then hold what stage 0 holds: there is nothing else to partition).
+
     Collective: every rank calls it. Raises ConfigError (a ValueError) for a bad config, and
     ValueError for a model partitioned by another library's zero.Init (DeepSpeed's
     deepspeed.zero.Init: its parameters carry DeepSpeed's ds_id / ds_status, not zero's), naming
-    the first such parameter, before any state is changed.
+    the first such parameter, before any state is changed; ValueError for an lr_scheduler=
+    without an optimizer.
     """
     if model is None:
         raise ValueError("zero.initialize needs model=")
@@ -93,7 +106,8 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = _dataloader(training_data, cfg, comm, collate_fn)
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    optimizer = None if engine.inference_only else engine.optimizer
+    return engine, optimizer, loader, engine.lr_scheduler
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -53,7 +53,7 @@ from .partition.stage3 import (
     persistent_unit,
     unmanaged_parameter,
 )
-from .partition.stages import ReduceSettings, ZeroOptimizer, check_optimizer
+from .partition.stages import NoOptimizer, ReduceSettings, ZeroOptimizer, check_optimizer
 
 logger = logging.getLogger("zero")
 
@@ -70,7 +70,9 @@ class Phase(enum.Enum):
 
 
 class Engine(torch.nn.Module):
-    """A model trained with ZeRO stage 0, 1 or 2 over one data-parallel group.
+    """A model trained with ZeRO stage 0, 1, 2 or 3 over one data-parallel group, or, built
+    without an optimizer, run for forward, evaluation and generation only (ZeRO-Inference,
+    [Note: ZeRO-Inference] in partition/stages.py; `inference_only`).
 
     Constructed by zero.initialize (every rank, collectively); `mpu` is a Megatron-style
     model-parallel unit when the model is tensor-parallel. `module` is the user's model, whose
@@ -103,15 +105,18 @@ class Engine(torch.nn.Module):
         # Validate the optimizer and its param groups before any collective or device move.
         client_optimizer = optimizer is not None
         _check_one_source(config, optimizer, lr_scheduler)
-        optimizer = optimizer or self._config_optimizer(model_parameters)
-        named_groups = self._named_groups(optimizer, client_optimizer)
-        optimizer_files = nvme.check_before_allocating(
-            config,
-            optimizer,
-            sum(full_numel(p) for named in named_groups for _, p in named),
-            self._num_shards(),
-            comm.rank,
-        )
+        optimizer, lr_scheduler = self._optimizer_or_none(optimizer, model_parameters, lr_scheduler)
+        trains = not isinstance(optimizer, NoOptimizer)
+        named_groups = self._named_groups(optimizer, client_optimizer) if trains else []
+        optimizer_files = None  # no optimizer: offload_optimizer places nothing
+        if trains:
+            optimizer_files = nvme.check_before_allocating(
+                config,
+                optimizer,
+                sum(full_numel(p) for named in named_groups for _, p in named),
+                self._num_shards(),
+                comm.rank,
+            )
         param_files = param_swap.check_before_allocating(
             config, [full_numel(p) for p in model.parameters()], self._num_shards(), comm.rank
         )
@@ -125,8 +130,9 @@ class Engine(torch.nn.Module):
             agreement.check(Intent.LAYOUT, (_fingerprint(model, config, optimizer),), doing)
         # A scheduler that cannot be built (a misspelled parameter) fails before the model is
         # touched; it drives the param groups' lr, which zero keeps.
-        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer)
-        check_optimizer(optimizer)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler, optimizer) if trains else None
+        if trains:
+            check_optimizer(optimizer)
         snapshot = ModelSnapshot(model)
         try:
             self._build(named_groups, optimizer, agreement, mpu)
@@ -155,7 +161,7 @@ class Engine(torch.nn.Module):
                 unit_of,
                 persistent_unit(units),
             ),
-            self._reduce_settings(mpu),
+            self._reduce_settings(mpu, trains=not isinstance(optimizer, NoOptimizer)),
             comm,
             self.scaler,
             config.compute_dtype,
@@ -194,7 +200,10 @@ class Engine(torch.nn.Module):
                     # DeepSpeed's names for a partitioned parameter's full size, which scripts
                     # read (`p.ds_numel if hasattr(p, "ds_numel") else p.numel()`)
                     name_full_size(param, slot.shape)
-            reduce_comm = comm.sibling("reduce-scatter", config.agreement_timeout)
+            # Gradients get a process group of their own; an engine without an optimizer has none
+            reduce_comm = comm
+            if self.optimizer.trains:
+                reduce_comm = comm.sibling("reduce-scatter", config.agreement_timeout)
             self.optimizer.attach_gatherer(self.gatherer, reduce_comm)
             if agreement is not None:
                 self.gatherer.agreement = agreement
@@ -273,7 +282,7 @@ class Engine(torch.nn.Module):
             return None
         return ModelParallelNorm(mp_comm, partitioned_parameter_names(self.module))
 
-    def _reduce_settings(self, mpu) -> ReduceSettings:
+    def _reduce_settings(self, mpu, trains: bool) -> ReduceSettings:
         comm_dtype = self.config.communication_data_type
         dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
         split = nvme.OptimizerOffload.from_config(self.config)  # nvme, or ratio < 1
@@ -285,9 +294,9 @@ class Engine(torch.nn.Module):
             overflow_check=self.config.fp16.enabled
             or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow),
             model_parallel=self._model_parallel_norm(mpu),
-            offload=self._offload_optimizer is not None and split is None,
+            offload=trains and self._offload_optimizer is not None and split is None,
             pin_memory=bool(self._offload_optimizer and self._offload_optimizer.pin_memory),
-            split=split,
+            split=split if trains else None,
             param_nvme=param_swap.ParamOffload.from_config(self.config),
             offload_param=self._offload_param is not None,
             pin_param=bool(self._offload_param and self._offload_param.pin_memory),
@@ -305,12 +314,66 @@ class Engine(torch.nn.Module):
         """The offload_param block when it offloads parameter shards to the CPU, else None."""
         return _on_cpu(self.config.zero.offload_param)
 
+    @property
+    def inference_only(self) -> bool:
+        """True for an engine built without an optimizer (ZeRO-Inference: forward, evaluation
+        and generation; backward() and step() raise), see _optimizer_or_none."""
+        return not self.optimizer.trains
+
+    def _optimizer_or_none(self, optimizer, model_parameters, lr_scheduler):
+        """(optimizer, lr_scheduler) the engine trains with: the client's or the config's; or,
+        as DeepSpeed builds its inference engine whenever deepspeed.initialize gets no
+        optimizer, (NoOptimizer, None) when there is none ([Note: ZeRO-Inference] in
+        partition/stages.py): no optimizer= and no 'optimizer' block, or no parameter of the
+        model requires grad (an optimizer= or block given then is not used and the log says
+        so: DeepSpeed would build it over parameters that never change). Raises ValueError for
+        an lr_scheduler= without any optimizer."""
+        model = type(self.module).__name__
+        trainable = any(p.requires_grad and full_numel(p) > 0 for p in self.module.parameters())
+        if optimizer is None and self.config.optimizer is None:
+            if lr_scheduler is not None:
+                raise ValueError(
+                    "zero.initialize got lr_scheduler= but no optimizer (no optimizer= and no "
+                    "'optimizer' block in the config): a scheduler drives an optimizer's lr; "
+                    "pass the optimizer too, or drop lr_scheduler= to build an engine for "
+                    "forward and evaluation only"
+                )
+            reason = "zero.initialize got no optimizer= and the config has no 'optimizer' block"
+            fix = "to train, give the config an 'optimizer' block or pass optimizer="
+        elif not trainable:
+            reason = f"no parameter of {model} requires grad"
+            fix = "to train, set requires_grad=True on the parameters to train before initialize"
+            # A warning for an optimizer the script built; a config block reused for a frozen
+            # model (TRL's reference model) is the expected case.
+            log = logger.warning if optimizer is not None else logger.info
+            given = "optimizer=" if optimizer is not None else "the config's 'optimizer' block"
+            unused = f"{given}{' (nor lr_scheduler=)' if lr_scheduler is not None else ''}"
+            log("zero.initialize: %s, so %s is not used", reason, unused)
+        else:
+            return optimizer or self._config_optimizer(model_parameters), lr_scheduler
+        self._log_without_optimizer(reason, model_parameters)
+        return NoOptimizer(reason, fix, self.comm.rank), None
+
+    def _log_without_optimizer(self, reason: str, model_parameters) -> None:
+        """Say that the engine is built without an optimizer, and which settings that leaves
+        without effect."""
+        if model_parameters is not None:
+            logger.warning("zero.initialize: model_parameters= is not used without an optimizer")
+        blocks = (
+            ("scheduler", self.config.scheduler),
+            ("zero_optimization.offload_optimizer", self.config.zero.offload_optimizer),
+        )
+        unused = [key for key, block in blocks if block is not None]
+        logger.info(
+            "zero.initialize: no optimizer (%s): ZeRO-Inference engine at stage %d for forward, "
+            "evaluation and generation, holding the parameters only (no gradients, fp32 master "
+            "weights or optimizer state; backward() and step() raise)%s",
+            reason,
+            self.config.zero.stage,
+            f"; without effect: {', '.join(unused)}" if unused else "",
+        )
+
     def _config_optimizer(self, model_parameters):
-        if self.config.optimizer is None:
-            raise ValueError(
-                'no optimizer: give the config an \'optimizer\' block ({"type": "AdamW", '
-                '"params": {"lr": 1e-3}}) or pass optimizer= to zero.initialize'
-            )
         params = model_parameters
         if params is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
@@ -405,7 +468,8 @@ class Engine(torch.nn.Module):
         self._refuse_destroyed("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        training = torch.is_grad_enabled() and self.module.training
+        # an engine without an optimizer (ZeRO-Inference) has no backward to keep units for
+        training = self.optimizer.trains and torch.is_grad_enabled() and self.module.training
         if self.phase is Phase.IDLE and training:
             self.phase = Phase.FORWARD
         if training:
@@ -450,10 +514,13 @@ class Engine(torch.nn.Module):
         boundary (use no_sync() to skip a reduction) and keeps no reference to the loss.
 
         Collective: every rank calls it once per micro-batch. Raises RuntimeError when called twice
-        for one micro-batch without engine.step() in between.
+        for one micro-batch without engine.step() in between, and on an engine built without an
+        optimizer (ZeRO-Inference; DeepSpeed asserts "must provide optimizer during init in
+        order to use backward"), naming why it has none.
         """
         del allreduce_gradients, release_loss
         self._refuse_destroyed("backward")
+        self._refuse_without_optimizer("engine.backward()")
         if self.phase is Phase.BACKWARD:
             if not self._step_optional:
                 raise RuntimeError(
@@ -490,9 +557,11 @@ class Engine(torch.nn.Module):
         At the boundary: unscale, check overflow (fp16, bf16), clip to gradient_clipping, step the
         optimizer on the owned shards, all-gather parameters, step the lr scheduler (not on a
         skipped step) with `lr_kwargs` as its keyword arguments (DeepSpeed's, e.g. Megatron's
-        {"increment": n}), and broadcast rank 0's floating-point buffers.
+        {"increment": n}), and broadcast rank 0's floating-point buffers. Raises RuntimeError on
+        an engine built without an optimizer (ZeRO-Inference), as backward() does.
         """
         self._refuse_destroyed("step")
+        self._refuse_without_optimizer("engine.step()")
         if self._no_sync:
             raise RuntimeError(
                 f"rank {self.comm.rank}: engine.step() inside engine.no_sync(); leave the "
@@ -590,6 +659,7 @@ class Engine(torch.nn.Module):
         backward after the context reduces the accumulated gradients), and after destroy();
         TypeError / ValueError for a bucket_size that is not a positive int."""
         self._refuse_destroyed("allreduce_gradients")
+        self._refuse_without_optimizer("engine.allreduce_gradients()")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
             raise TypeError(f"allreduce_gradients: bucket_size={bucket_size!r} is not an int")
         if bucket_size <= 0:
@@ -649,12 +719,14 @@ class Engine(torch.nn.Module):
         """Stage 3: state_dict() of the model or a submodule holds the units of its parameters
         gathered while it runs, so it returns full tensors (a submodule's call inside its
         parent's finds them gathered). Collective (every rank must call it, as for
-        DeepSpeed's save_16bit_model) unless they are gathered already (inside a
-        zero.GatheredParameters over them, where one rank may call it alone)."""
+        DeepSpeed's save_16bit_model) unless they are gathered already, or inside an open
+        zero.GatheredParameters, where one rank may call it alone: it gathers nothing there
+        and the parameters that context does not hold appear as 0-element placeholders
+        (ParamGatherer.state_dict_units)."""
         if self._listing_state:
             return
-        units = self.gatherer.units_of(module.parameters())
-        if any(u.state is not UnitState.GATHERED for u in units):
+        units, gathers = self.gatherer.state_dict_units(module.parameters())
+        if gathers:
             if not self.config.zero.stage3_gather_16bit_weights_on_model_save:
                 raise RuntimeError(
                     f"rank {self.comm.rank}: under ZeRO stage 3 the module's parameters are "
@@ -812,6 +884,16 @@ class Engine(torch.nn.Module):
 
         self._refuse_destroyed("save_checkpoint")
         exclude = bool(exclude_frozen_parameters)
+        shards = self.frozen.buckets if self.frozen is not None else []
+        if exclude and any(p.requires_grad for b in shards for p in b.params):
+            # Only an engine without an optimizer partitions parameters that require grad
+            # outside its optimizer; checkpoint/writer.py gathers these only when it leaves
+            # none of them out.
+            raise NotImplementedError(
+                f"rank {self.comm.rank}: save_checkpoint(exclude_frozen_parameters=True) on a "
+                "stage-3 engine built without an optimizer whose parameters require grad; save "
+                "without exclude_frozen_parameters (every parameter is then written)"
+            )
         self._enter("save_checkpoint", int(exclude))
         return checkpoint.save(
             self, os.fspath(save_dir), tag, client_state or {}, save_latest, exclude
@@ -837,6 +919,12 @@ class Engine(torch.nn.Module):
         also for a checkpoint saved without an lr scheduler loaded into an engine with one
         (unless load_lr_scheduler_states=False: the scheduler then keeps its position and the
         lr it set) and for a DeepSpeed checkpoint (the message gives the migration path).
+
+        An engine built without an optimizer (ZeRO-Inference) loads the weights alone, from a
+        training checkpoint or its own, whatever load_optimizer_states says (it has no optimizer
+        state; DeepSpeed's inference engine loads the weights with load_module_only=True or
+        load_optimizer_states=False): see _load_weights_only. Without load_module_only the
+        step counters load too.
         """
         from . import checkpoint
 
@@ -857,6 +945,8 @@ class Engine(torch.nn.Module):
                 else "",
             )
             return None, None
+        if not self.optimizer.trains:
+            return _load_weights_only(self, load_dir, tag, load_module_strict, load_module_only)
         return checkpoint.load(
             self,
             load_dir,
@@ -906,6 +996,12 @@ class Engine(torch.nn.Module):
         """DeepSpeed's engine.destroy(): see close(), which it calls. Not a collective."""
         self.close()
 
+    def _refuse_without_optimizer(self, method: str) -> None:
+        """RuntimeError naming why a ZeRO-Inference engine has no optimizer, before any
+        collective (every rank raises alike)."""
+        if not self.optimizer.trains:
+            raise self.optimizer.optimizer.refusal(method)
+
     def _refuse_destroyed(self, method: str) -> None:
         if self._destroyed:
             raise RuntimeError(
@@ -913,6 +1009,41 @@ class Engine(torch.nn.Module):
                 "which detached the engine from its model and released its buffers; build a "
                 "new engine with zero.initialize"
             )
+
+    def generate(self, *args, **kwargs):
+        """The model's generate() (Hugging Face's GenerationMixin.generate, peft's, or the
+        model's own), called with the same arguments; DeepSpeed's engine reaches it through
+        __getattr__. At stage 3 with a data-parallel world size above 1 it passes
+        synced_gpus=True unless the caller passed synced_gpus (and the model's generate() takes
+        it): every step all-gathers the parameters, so a rank whose sequences finish first must
+        keep stepping until every rank has (transformers turns this on by itself only under
+        DeepSpeed's HfDeepSpeedConfig). Each rank may pass its own prompts, of its own lengths.
+        The module's training mode is left as it is (call engine.eval() first for dropout-free
+        generation, as with DeepSpeed).
+
+        Returns what the model's generate() returns (transformers: int64 token ids of shape
+        (batch, prompt + generated length), or its ModelOutput). Collective at stage 3 with
+        world size > 1: every rank calls it. Raises AttributeError when the model has no
+        generate(), RuntimeError after destroy(), and ValueError when synced_gpus=False is
+        passed at stage 3 with world size > 1 and the parameters must be all-gathered
+        ([Note: generation] in partition/stage3.py)."""
+        import inspect
+
+        self._refuse_destroyed("generate")
+        generate = getattr(self.module, "generate", None)
+        if generate is None:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute 'generate', nor has its model "
+                f"({type(self.module).__name__})"
+            )
+        if self.gatherer is not None and self.comm.world_size > 1 and "synced_gpus" not in kwargs:
+            try:
+                params = inspect.signature(generate).parameters.values()
+            except (TypeError, ValueError):  # not introspectable: assume transformers' keywords
+                params = [inspect.Parameter("synced_gpus", inspect.Parameter.KEYWORD_ONLY)]
+            if any(p.name == "synced_gpus" or p.kind is p.VAR_KEYWORD for p in params):
+                kwargs["synced_gpus"] = True
+        return generate(*args, **kwargs)
 
     def __getattr__(self, name: str):
         """DeepSpeed's fallthrough (DeepSpeedEngine.__getattr__): a name that neither the
@@ -1012,10 +1143,16 @@ class Engine(torch.nn.Module):
         return stats
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds in memory per model-state kind: {"params", "grads", "master",
-        "optimizer_state"} (gradients in data_types.grad_accum_dtype); what nvme offload keeps in
-        files counts 0 here, see engine.optimizer.nvme_bytes(). Not a collective."""
-        return self.optimizer.model_state_bytes()
+        """Bytes this rank holds in memory per model-state kind: {"params", "frozen_params",
+        "grads", "master", "optimizer_state"}: the trained parameters, the parameters no
+        optimizer trains (all of them in an engine built without an optimizer: stage 3 its
+        shards, stages 0-2 whole tensors), gradients in data_types.grad_accum_dtype, fp32
+        masters, optimizer state; what nvme offload keeps in files counts 0 here, see
+        engine.optimizer.nvme_bytes(). Not a collective."""
+        from .planning.memory import frozen_param_bytes
+
+        held = self.optimizer.model_state_bytes()
+        return {"params": held["params"], "frozen_params": frozen_param_bytes(self), **held}
 
     def memory_report(self) -> dict:
         """Bytes this rank holds per model-state category, measured from zero's tensors, next
@@ -1101,6 +1238,88 @@ class ModelSnapshot:
                 before = tables.get(name, {})
                 added += [(owner, name, key) for key in getattr(owner, name) if key not in before]
         return added
+
+
+def _load_weights_only(engine, load_dir: str, tag, strict: bool, module_only: bool):
+    """Engine.load_checkpoint of an engine without an optimizer: every parameter and buffer
+    from the checkpoint's fp32 values (master weights of the trained parameters, the saved
+    frozen parameters and buffers), read one full tensor at a time (checkpoint.
+    ConsolidatedReader: any world size and stage saved it), cast to the tensor's dtype; at
+    stage 3 a rank keeps its owned part (FrozenShards.write). Every rank verifies names, shapes
+    and dtypes (CheckpointError; strict=False allows missing and unexpected names, never a
+    wrong shape) and the ranks agree before any value changes. Without `module_only` the step
+    counters load too. Returns (checkpoint directory, client_state). Collective."""
+    from .checkpoint import ConsolidatedReader
+    from .checkpoint.agreement import _on_every_rank
+    from .checkpoint.reader import read_meta
+
+    def verify():
+        verify_files = engine.config.checkpoint.verify_checksums
+        reader = ConsolidatedReader(load_dir, tag, verify=verify_files)
+        meta = read_meta(reader.path)
+        excluded = set(meta.get("excluded_frozen") or ())
+        return reader, _weights_to_load(engine, reader, strict, excluded), meta
+
+    reader, targets, meta = _on_every_rank(engine, f"verify the checkpoint in {load_dir}", verify)
+    with torch.no_grad():
+        for saved, tensor in targets:
+            value = reader.read(saved)
+            if engine.frozen is not None and engine.frozen.full_shape(tensor) is not None:
+                engine.frozen.write(tensor, value)  # stage 3: this rank's owned part
+            else:
+                tensor.copy_(value.to(tensor.dtype))
+        if engine.gatherer is not None:
+            engine.gatherer.forget_writes()  # the shards' new values replace gathered ones
+        engine.optimizer.refresh_params()  # stage 3: the persistent unit gathers them
+    if not module_only:
+        counters = meta["counters"]
+        engine.global_steps = counters["global_steps"]
+        engine.global_samples = counters["global_samples"]
+        engine.skipped_steps = counters["skipped_steps"]
+        engine.micro_steps = counters["micro_steps"]
+        logger.info(
+            "load_checkpoint: weights and step counters of %s loaded; its optimizer and lr "
+            "scheduler state are not (the engine has no optimizer)",
+            reader.path,
+        )
+    return reader.path, meta["client_state"]
+
+
+def _weights_to_load(engine, reader, strict: bool, excluded: set) -> list[tuple]:
+    """(name in the checkpoint, tensor) for each of the model's parameters and buffers, each
+    tensor once; CheckpointError listing every missing or unexpected name (with `strict`) and
+    every shape or dtype that does not fit. A frozen parameter the checkpoint left out
+    (`excluded`, its excluded_frozen: [Note: frozen parameters left out] in
+    checkpoint/format.py) keeps its value when it is frozen here too."""
+    from .checkpoint import CheckpointError
+
+    named = [*engine.module.named_parameters(remove_duplicate=False)]
+    named += [*engine.module.named_buffers(remove_duplicate=False)]
+    targets, problems = {}, []  # id(tensor) -> (name in the checkpoint, tensor)
+    for name, tensor in named:
+        saved = reader.ties.get(name, name)
+        if saved not in reader:
+            kept = name in excluded and not tensor.requires_grad
+            problems += [f"missing key '{name}'"] if strict and not kept else []
+            continue
+        frozen = engine.frozen.full_shape(tensor) if engine.frozen is not None else None
+        shape, there = tuple(tensor.shape if frozen is None else frozen), reader.dtype(saved)
+        if tuple(reader.shape(saved)) != shape:
+            problems.append(f"'{name}' is {tuple(reader.shape(saved))} there, {shape} here")
+        elif tensor.is_floating_point() != there.is_floating_point or (
+            not tensor.is_floating_point() and there != tensor.dtype
+        ):
+            problems.append(f"'{name}' is {there} there, {tensor.dtype} here")
+        targets.setdefault(id(tensor), (saved, tensor))
+    if strict:
+        names = {name for name, _ in named}
+        problems += [f"unexpected key '{n}'" for n in reader.names if n not in names]
+    if problems:
+        raise CheckpointError(
+            f"{reader.path} does not fit {type(engine.module).__name__}: {listed(problems)} "
+            "(load_module_strict=False skips missing and unexpected keys)"
+        )
+    return list(targets.values())
 
 
 def _refuse_released_forward(module, args) -> None:

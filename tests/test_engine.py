@@ -145,8 +145,8 @@ def test_missing_config_errors():
     args = argparse.Namespace(deepspeed=True, deepspeed_config=None, local_rank=-1)
     with pytest.raises(ValueError, match="no config: the command line gave no --deepspeed_conf"):
         zero.initialize(args=args, model=Tiny())
-    with pytest.raises(ValueError, match="no optimizer"):
-        zero.initialize(model=Tiny(), config=base_config(optimizer=None))
+    engine, optimizer, _, _ = zero.initialize(model=Tiny(), config=base_config(optimizer=None))
+    assert optimizer is None and engine.inference_only  # ZeRO-Inference
 
 
 def test_a_parameter_in_two_param_groups_is_named():

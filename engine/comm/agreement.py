@@ -68,6 +68,20 @@ class Agreement:
     exited) makes the others raise, naming the ranks missing from a collective method (each
     rank records its arrival in the rendezvous store) or the method another rank waits in.
 
+    [Note: the agreement timeout]
+    A rank waits `agreement_timeout` seconds (config; 300 by default) for the others. The
+    wait is long on purpose: between two checks ranks legitimately drift apart by minutes (rank
+    0 alone writing a large file or computing metrics, a slow data loader, a first step that
+    compiles), and a shorter default would stop healthy jobs. A rank whose process ended is
+    noticed at once instead, through the group's closed connections, and one that made a
+    different checked call is met by the others' checks at once. What could leave a rank waiting
+    out the timeout in normal use is kept from happening: transformers' decoding loop, whose
+    ranks finish at different steps, runs with synced_gpus=True (engine.generate), or raises on
+    every rank before its first all-gather when it does not ([Note: generation] in
+    partition/stage3.py); state_dict() inside zero.GatheredParameters, which one rank calls
+    alone to save an adapter, communicates nothing. A check that times out before a stage-3
+    all-gather says how a rank leaves such a loop early.
+
     `describe(kind, ident)` and `hint(a, b)` (set by the owner) turn intents into words.
     Collective: every rank of the group calls check() and enter() in the same order.
     """
@@ -143,8 +157,8 @@ class Agreement:
         try:
             work = self.group.all_gather(every, mine, async_op=True)
         except RuntimeError as error:
-            raise self._failure(doing, method, error) from error
-        return PendingCheck(self, work, every, doing, method)
+            raise self._failure(doing, method, error, kind) from error
+        return PendingCheck(self, work, every, doing, method, kind)
 
     def _mismatch(self, row_0: list, other: int, row: list) -> str:
         """The message for rank 0's intent `row_0` against rank `other`'s `row`."""
@@ -174,17 +188,26 @@ class Agreement:
         text = f"{head} rank 0 {said_a}, while rank {other} {said_b}."
         return " ".join(p for p in (text, self.hint(a, b) or _default_fix(a, b)) if p)
 
-    def _failure(self, doing: str, method, error) -> RankMismatchError:
+    def _failure(self, doing: str, method, error, kind=None) -> RankMismatchError:
         text = str(error)
         if "imed out" not in text and "imeout" not in text:
             return RankMismatchError(
                 f"rank {self.rank}: another rank exited or failed while this rank waited for "
                 f"the others before it {doing} ({text}); see that rank's error"
             )
+        early = ""
+        if kind == Intent.GATHER:
+            early = (
+                " A rank that stopped running forwards before the others (a decoding loop that "
+                "ends at each rank's own end of sequence) leaves them waiting here: every rank "
+                "must keep running forwards until all have finished, as generate(..., "
+                "synced_gpus=True) does (engine.generate passes it)."
+            )
         return RankMismatchError(
             f"rank {self.rank}: waited {self.timeout_s:g} s for the other ranks before it "
-            f"{doing}: {self._whereabouts(method)} Every rank must make the same collective "
-            "calls in the same order; to wait longer, raise the config key agreement_timeout"
+            f"{doing}: {self._whereabouts(method)}{early} Every rank must make the same "
+            "collective calls in the same order; to wait longer, raise the config key "
+            "agreement_timeout"
         )
 
     def _whereabouts(self, method) -> str:
@@ -209,9 +232,11 @@ class Agreement:
 class PendingCheck:
     """An Agreement check in flight (Agreement.start)."""
 
-    def __init__(self, agreement: Agreement, work, every: torch.Tensor, doing: str, method):
+    def __init__(
+        self, agreement: Agreement, work, every: torch.Tensor, doing: str, method, kind=None
+    ):
         self.agreement, self.work, self.every = agreement, work, every
-        self.doing, self.method = doing, method
+        self.doing, self.method, self.kind = doing, method, kind
 
     def finish(self) -> float:
         """Wait; raise RankMismatchError as Agreement.check() does; return the payload's sum.
@@ -222,7 +247,7 @@ class PendingCheck:
         try:
             self.work.wait()
         except RuntimeError as error:
-            raise agreement._failure(self.doing, self.method, error) from error
+            raise agreement._failure(self.doing, self.method, error, self.kind) from error
         every = self.every.view(agreement.world_size, agreement.SLOTS)
         rows = every[:, :-1].tolist()
         other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
@@ -272,7 +297,9 @@ def _default_fix(a, b) -> str:
         )
     return (
         "Under ZeRO stage 3 every rank must run the same modules in the same order "
-        "(see docs/stages.md)."
+        "(see docs/stages.md); in generation, ranks whose sequences finish at different "
+        "steps must keep running forwards until all have (generate(..., synced_gpus=True), "
+        "which engine.generate passes)."
     )
 
 

@@ -57,6 +57,12 @@ class GatheredParameters:
     nothing, so rank 0 alone may open one (see [Note: held parameters] in init.py). Contexts
     nest: a unit stays gathered until the outermost one exits.
 
+    Inside the context, state_dict() of a stage-3 engine's model (or of any of its modules)
+    communicates nothing, so one rank may call it alone, as in DeepSpeed's idiom for saving a
+    peft adapter (GatheredParameters over the adapter's parameters on every rank, then
+    model.save_pretrained() on rank 0): the parameters gathered here have their full values and
+    the other partitioned parameters appear as their 0-element placeholders, as under DeepSpeed.
+
     Raises ValueError for a modifier_rank outside the data-parallel group.
     """
 
@@ -67,6 +73,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._units = []
+        self._counted = False  # counted in the gatherer's open contexts (stage 3)
         self._init_params = []  # zero.Init parameters gathered by this context
 
     def _owner(self):
@@ -86,6 +93,8 @@ class GatheredParameters:
             if any(u.state is not UnitState.GATHERED for u in self._units):
                 _enter(optimizer, "zero.GatheredParameters (enter)", self.params)
             gatherer.hold(self._units)
+            gatherer.gathered_contexts += 1  # state_dict() inside reads, never gathers
+            self._counted = True
         return self
 
     def __exit__(self, *exc):
@@ -102,6 +111,9 @@ class GatheredParameters:
                 with torch.no_grad():
                     _publish_modification(optimizer, self.params, self.modifier_rank)
         finally:
+            if self._counted:
+                optimizer.gatherer.gathered_contexts -= 1
+                self._counted = False
             if self._units:
                 optimizer.gatherer.unhold(self._units)
         return False

@@ -19,11 +19,29 @@ recomputation) keeps its units gathered (its saved tensors are used at once, and
 releases the units) and is not recorded as forward order. An in-place write to a gathered
 parameter that a release would lose raises instead (_check_not_modified). A parameter used
 outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
-caught by UsageGuard, a TorchFunctionMode active during the root module's forward (engine(...),
-engine.module(...) and generate() alike): it gathers the parameter's unit on the spot and pins
-it, so it stays gathered until the end of backward (of the forward, when none follows). Every
-batch of all-gathers is checked across ranks first (comm.Agreement): a rank that runs a module
+caught by UsageGuard, a TorchFunctionMode active during the outermost forward of any module of the
+model: the root's (engine(...), engine.module(...), each step of generate()) or a submodule's
+called on its own (generate() runs an encoder-decoder's encoder directly, whose embedding is
+tied to `shared.weight`). It gathers the parameter's unit on the spot; a unit with trainable
+parameters is pinned, so it stays gathered until the end of backward (of the outermost
+forward, when none follows), where their gradients arrive; a frozen one goes with its own
+forward's release, or with the end of the outermost forward or of backward. Gathering stays
+per fetch unit. Reading a placeholder's dtype, device or requires_grad gathers nothing, and a
+parametrization's no-op set_() is not a write ([Note: parametrized parameters]). Every batch
+of all-gathers is checked across ranks first (comm.Agreement): a rank that runs a module
 another rank skips makes every rank raise before the collectives differ (see docs/stages.md).
+
+[Note: generation]
+A forward without a backward to come (no grad, or eval mode) ends as engine(...) in eval mode
+does: every unit is released and its order is kept for the next forward's prefetch, so each
+step of generate() prefetches what the last step ran. Each step all-gathers every unit, so the
+ranks must run the same number of steps: transformers' synced_gpus=True keeps a rank that has
+finished running forwards until every rank has. A forward inside transformers' decoding loop with
+synced_gpus=False (its default, unless it sees DeepSpeed's HfDeepSpeedConfig) that would
+all-gather raises on every rank before its first all-gather, instead of leaving the ranks that
+finish later waiting for the others (unsynced_generation); engine.generate() passes
+synced_gpus=True. The loop's synced_gpus is read from the caller's frames, which is all that
+says a forward belongs to it.
 
 [Note: saved weights]
 Layers save their weights for backward (a linear layer saves a view of its weight), and a saved
@@ -42,6 +60,7 @@ just keeps its memory).
 
 import contextlib
 import enum
+import logging
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -53,6 +72,8 @@ from ..comm import Intent, describe_intent
 from .ds_params import ZeroParamStatus, describe, set_status, set_tensor
 from .init import full_numel, tensors_in
 from .shared import bucket_values, collective_failure, host_copy
+
+logger = logging.getLogger("zero")
 
 # Modules made one fetch unit whatever their size (zero.utils.set_z3_leaf_modules).
 _LEAF_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -246,8 +267,11 @@ class ParamGatherer:
         self._unit_of_param: dict[int, Unit] = {}
         self._gathered_storage: dict[int, object] = {}  # buffer data_ptr -> bucket (not persistent)
         self._hooks = []
-        self._guard = None  # the UsageGuard of the root forward under way
-        self._root_depth = 0  # root forwards under way (more than 1: the root calls itself)
+        self._guard = None  # the UsageGuard of the outermost forward under way
+        self._forward_depth = 0  # module forwards under way, nested (0: none)
+        self._generation_synced = None  # synced_gpus of the decoding loop running; None: none
+        self.gathered_contexts = 0  # open zero.GatheredParameters over this model's parameters
+        self._told_placeholders = False  # state_dict_units logged its placeholders once
         self._order: list[int] = []  # unit indices in forward order, from the last step
         self._trace: list[int] = []  # this step's forward order
         self._cursor = {"forward": 0, "backward": 0}
@@ -278,8 +302,6 @@ class ParamGatherer:
             with self._own_ops():
                 self._release_bucket(bucket)
         self._describe_params()
-        self._hooks.append(self.root.register_forward_pre_hook(self._enter_guard, prepend=True))
-        self._hooks.append(self.root.register_forward_hook(self._exit_guard, always_call=True))
         for unit in self.units:
             if unit.persistent:
                 self.fetch(unit)
@@ -291,6 +313,13 @@ class ParamGatherer:
             self._hooks.append(
                 module.register_forward_hook(self._post_forward(unit), with_kwargs=True)
             )
+        # The guard starts before any unit's pre-hook and ends after its release, in the forward
+        # of any module that holds parameters (one without any uses none of ours).
+        for module in self.root.modules():
+            if next(module.parameters(), None) is None:
+                continue
+            self._hooks.append(module.register_forward_pre_hook(self._enter_guard, prepend=True))
+            self._hooks.append(module.register_forward_hook(self._exit_guard, always_call=True))
 
     def _describe_params(self) -> None:
         """DeepSpeed's attributes on every parameter of the model (ds_params.py), units all
@@ -321,26 +350,40 @@ class ParamGatherer:
                 set_status([param], ZeroParamStatus.AVAILABLE)
 
     def _enter_guard(self, module, args) -> None:
-        """The root's forward begins: UsageGuard watches it, whether engine(...) called it or the
-        script did (engine.module(...), Hugging Face's generate(), which calls the model once
-        per token), so a tied weight used outside its unit's forward is gathered either way."""
-        self._root_depth += 1
-        if self._root_depth == 1:
-            self._guard = UsageGuard(self)
-            self._guard.__enter__()
+        """A module's forward begins. The outermost one (the root's, whether engine(...) called
+        it or the script did: engine.module(...), each step of Hugging Face's generate(); or a
+        submodule's called on its own, as generate() calls an encoder) starts UsageGuard, so a
+        tied weight used outside its unit's forward is gathered either way ([Note: parameter
+        lifecycle]), and reads whether it runs in a decoding loop ([Note: generation])."""
+        if "parametrizations" in module._modules:
+            self._accept_parametrized(module)
+        self._forward_depth += 1
+        if self._forward_depth > 1:
+            return
+        self._guard = UsageGuard(self)
+        self._guard.__enter__()
+        if self.comm.world_size > 1 and not torch.is_grad_enabled() and not _in_backward():
+            self._generation_synced = _decoding_loop_synced()
 
     def _exit_guard(self, module, args, output) -> None:
-        """The root's forward ended (or raised): the guard stops. Without a backward to come (no
-        grad, or eval mode) the units it pinned are released, as engine(...) does."""
-        self._root_depth -= 1
-        if self._root_depth > 0 or self._guard is None:
+        """The outermost forward ended (or raised): the guard stops. Without a backward to come
+        (no grad, or eval mode) the units it pinned are released, and when no earlier forward
+        waits for its backward either, the forward ends as engine(...) in eval mode does
+        (release_all: [Note: generation])."""
+        self._forward_depth -= 1
+        if self._forward_depth > 0 or self._guard is None:
             return
         guard, self._guard = self._guard, None
         guard.__exit__(None, None, None)
-        if not (torch.is_grad_enabled() and self.root.training):
-            for unit in self.units:
-                if unit.pinned:
-                    self.release(unit, force=True)
+        self._generation_synced = None
+        if (torch.is_grad_enabled() and module.training) or _in_backward():
+            return
+        for unit in self.units:
+            if unit.pinned:
+                self.release(unit, force=True)
+        waiting = self._kept or any(u.calls or u.backward for u in self.units)
+        if not waiting:
+            self.release_all()
 
     def _pre_forward(self, unit: Unit):
         def hook(module, args, kwargs):
@@ -453,6 +496,8 @@ class ParamGatherer:
             self.comm.ledger.kept += _unit_numel(unit, trainable=True)
         if direction is not None and self.prefetch_numel > 0:
             launch += self._prefetch_plan(unit, direction, launch)
+        if launch and self._generation_synced is False:
+            raise unsynced_generation(self.comm.rank, self.comm.world_size, launch[0])
         if launch:
             pending = self._agree_on(tuple(u.index for u in launch))
             for upcoming in launch:
@@ -727,7 +772,8 @@ class ParamGatherer:
         self._read_cursor = {"forward": 0, "backward": 0}
         if self.param_swap is not None:
             self.param_swap.drop_read_ahead()  # the step is about to change the shards
-        self._last_launched, self._launched = self._launched, []
+        if self._launched:  # a second call in a row keeps the history (engine(...) in eval)
+            self._last_launched, self._launched = self._launched, []
 
     def release_kept(self) -> None:
         """Release the units a training forward kept for a backward that has not come (another
@@ -774,6 +820,55 @@ class ParamGatherer:
 
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))
+
+    def _accept_parametrized(self, module) -> None:
+        """[Note: parametrized parameters]
+        torch.nn.utils.parametrize.register_parametrization calls param.set_(param) on the
+        parameter it moves into `module.parametrizations` (peft's LoRA on a parameter, such as
+        stacked experts' 3-D weights, registers one around every forward of the module). That
+        raises the version counter without changing a value, and set_ bypasses torch function
+        modes, so the write check (_check_not_modified) is told here instead: when `module`'s
+        forward begins, a gathered parameter under a parametrization that still views its
+        place in the gathered buffer takes its current version as its gathered value's. A
+        set_() to other storage (a right_inverse that computes new values) is not accepted
+        and raises at release as any lost write does."""
+        with self._own_ops():
+            for parametrization in module.parametrizations.values():
+                self._accept_versions(parametrization._parameters.values())
+
+    def _accept_versions(self, params) -> None:
+        for param in params:
+            unit = self.unit_of(param) if param is not None else None
+            if unit is None or unit.state is not UnitState.GATHERED:
+                continue
+            for bucket in unit.buckets:
+                for index, (slot, held) in enumerate(zip(bucket.layout.slots, bucket.params)):
+                    if held is param and _views_slot(param, bucket, slot):
+                        bucket.versions[index] = param._version
+
+    def state_dict_units(self, params) -> tuple[list, bool]:
+        """(units, gathers) for a state_dict() over `params`: the units it holds while it runs,
+        and whether holding them all-gathers (a collective). Inside an open
+        zero.GatheredParameters over this model's parameters it holds only the units already
+        gathered and gathers nothing, so one rank may call it alone (DeepSpeed's idiom:
+        GatheredParameters over a peft adapter's parameters, then save_pretrained on rank 0):
+        the other partitioned parameters then appear as their 0-element placeholders, as
+        DeepSpeed's state_dict() gives them."""
+        units = self.units_of(params)
+        if not self.gathered_contexts:
+            return units, any(u.state is not UnitState.GATHERED for u in units)
+        gathered = [u for u in units if u.state is UnitState.GATHERED]
+        if len(gathered) < len(units) and not self._told_placeholders:
+            self._told_placeholders = True
+            left = next(u for u in units if u.state is not UnitState.GATHERED)
+            logger.info(
+                "state_dict() inside zero.GatheredParameters gathers nothing (one rank may call "
+                "it alone): the parameters of %d fetch units it does not hold (e.g. '%s') appear "
+                "as 0-element placeholders, as under DeepSpeed; hold them too for their values",
+                len(units) - len(gathered),
+                left.name,
+            )
+        return gathered, False
 
     def units_of(self, params) -> list:
         """The units holding `params` (parameters zero does not lay out are skipped), each once."""
@@ -987,10 +1082,12 @@ def _unit_numel(unit: Unit, trainable: bool = False) -> int:
 
 
 class UsageGuard(TorchFunctionMode):
-    """Gathers and pins the unit of a released parameter that an op uses outside the unit's own
-    forward (tied weights, a parent's direct use of a child's weight), and refuses a parameter
-    zero does not manage (a module attached after zero.initialize, or one outside the engine's
-    module): its gradient would never be reduced nor its value updated."""
+    """Gathers the unit of a released parameter that an op uses outside the unit's own forward
+    (tied weights, a parent's direct use of a child's weight, a parametrization evaluated by
+    the module around it) and pins it when it holds trainable parameters (their gradients reach
+    it in backward); reading a placeholder's dtype, device or requires_grad gathers nothing.
+    Refuses a parameter zero does not manage (a module attached after zero.initialize, or one
+    outside the engine's module): its gradient would never be reduced nor its value updated."""
 
     def __init__(self, gatherer: ParamGatherer):
         super().__init__()
@@ -1000,6 +1097,8 @@ class UsageGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.gatherer.busy:
             return func(*args, **kwargs)
+        if id(getattr(func, "__self__", func)) in _METADATA:
+            return func(*args, **kwargs)  # a placeholder has the parameter's dtype, device, ...
         for value in (*args, *kwargs.values()):
             if not isinstance(value, torch.nn.Parameter):
                 continue
@@ -1008,8 +1107,68 @@ class UsageGuard(TorchFunctionMode):
                 raise unmanaged_parameter(self.gatherer.comm.rank, value, self.gatherer.root)
             if unit is not None and value.numel() == 0:
                 self.gatherer.fetch(unit)
-                unit.pinned = True
+                # A trainable parameter's gradient reaches its unit in backward; a frozen unit
+                # goes with its own forward's release, the end of a forward without backward,
+                # or the end of backward ([Note: parameter lifecycle]).
+                unit.pinned = unit.pinned or not unit.frozen
         return func(*args, **kwargs)
+
+
+# Tensor attributes and methods that read no values: a placeholder answers them as the full
+# parameter would (same dtype, device, requires_grad, grad_fn), so UsageGuard gathers nothing
+# for them. (Its shape differs: reading it gathers.)
+_METADATA = frozenset(
+    id(vars(torch._C.TensorBase)[name])
+    for name in (
+        "dtype",
+        "device",
+        "layout",
+        "requires_grad",
+        "requires_grad_",
+        "is_leaf",
+        "grad_fn",  # None for a parameter; register_parameter() reads it
+        "is_floating_point",
+        "is_complex",
+        "is_cuda",
+        "is_meta",
+        "get_device",
+        "element_size",
+    )
+)
+
+
+def _decoding_loop_synced() -> bool | None:
+    """synced_gpus of the Hugging Face transformers decoding loop (or generate() call) that the
+    current forward runs in: the innermost frame of a transformers function with a boolean
+    local `synced_gpus` (GenerationMixin._sample, _beam_search, ..., or generate() itself with
+    an explicit value); None when there is none ([Note: generation])."""
+    frame = sys._getframe(2)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        module = frame.f_globals.get("__name__", "")
+        if "synced_gpus" in frame.f_code.co_varnames and module.startswith("transformers."):
+            value = frame.f_locals.get("synced_gpus")
+            if isinstance(value, bool):
+                return value
+        frame = frame.f_back
+    return None
+
+
+_MAX_FRAMES = 200  # frames searched for a decoding loop above a forward
+
+
+def unsynced_generation(rank: int, world_size: int, unit: Unit) -> ValueError:
+    """The error for a forward of transformers' decoding loop with synced_gpus=False that
+    would all-gather `unit` ([Note: generation])."""
+    return ValueError(
+        f"rank {rank}: generate() runs with synced_gpus=False under ZeRO stage 3 on "
+        f"{world_size} ranks: each step all-gathers the parameters (here unit '{unit.name}'), "
+        "so a rank whose sequences finish first would stop taking part while the others wait "
+        "for it. Pass synced_gpus=True (engine.generate(...) does by default; transformers turns "
+        "it on by itself only under DeepSpeed's HfDeepSpeedConfig), or, if the model fits on "
+        "one device, generate inside zero.GatheredParameters(model.parameters())"
+    )
 
 
 def unmanaged_parameter(rank: int, param, root: torch.nn.Module) -> RuntimeError:
@@ -1025,6 +1184,18 @@ def unmanaged_parameter(rank: int, param, root: torch.nn.Module) -> RuntimeError
         "gradient would not be averaged across ranks nor its value updated (nor, under stage 3, "
         "partitioned). Attach every module before zero.initialize (build the engine over the "
         "whole model), or register a constant as a buffer"
+    )
+
+
+def _views_slot(param, bucket, slot) -> bool:
+    """Whether `param` is exactly its slot's view of the bucket's gathered buffer."""
+    buffer = bucket.param_buffer
+    return (
+        buffer is not None
+        and param.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        and param.storage_offset() == buffer.storage_offset() + slot.offset
+        and param.shape == slot.shape
+        and param.is_contiguous()
     )
 
 

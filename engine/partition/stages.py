@@ -27,6 +27,16 @@ In every stage a rank keeps fp32 master weights and optimizer state only for the
 (stage 0 owns everything), steps the optimizer on them, and all-gathers the updated slices back
 into the low-precision parameter buffers (see flat.py for the ownership layout).
 
+[Note: ZeRO-Inference]
+An engine built without an optimizer (zero.initialize with no optimizer= and no 'optimizer'
+block, or a model none of whose parameters requires grad) trains nothing: its ZeroOptimizer
+wraps a NoOptimizer, lays out no bucket and so allocates no gradient buffer, fp32 master weight
+or optimizer state. The engine keeps every parameter as a frozen one: whole on every rank at
+stages 0-2 (stages 1 and 2 partition only optimizer state and gradients, which do not exist
+here, so they hold what stage 0 holds), and as 1/N shards (FrozenShards, stage3.py) at stage 3,
+in host memory or nvme files with offload_param. DeepSpeed builds its DeepSpeedZeRoOffload for
+stage 3 in this case and refuses stages 1 and 2 ("zero stage N requires an optimizer").
+
 [Note: launch order]
 Gradient hooks mark a bucket ready when every parameter in it has its gradient, but buckets are
 launched strictly in index order: a bucket that is ready early waits for its predecessors. Every
@@ -266,6 +276,48 @@ class Bucket:
         return self.complete or self.num_arrived == len(self.params)
 
 
+class NoOptimizer:
+    """What the ZeroOptimizer of a ZeRO-Inference engine wraps in place of a torch optimizer
+    ([Note: ZeRO-Inference]; DeepSpeed's DummyOptim has this part): no param groups, no state.
+    step() raises RuntimeError naming why the engine has no optimizer; zero_grad() is a no-op.
+
+    `reason` completes "the engine was built without an optimizer because ..."; `fix` says how
+    to get one; `rank` is named in the errors."""
+
+    def __init__(self, reason: str, fix: str, rank: int):
+        self.reason = reason
+        self.fix = fix
+        self.rank = rank
+        self.param_groups: list[dict] = []
+        self.state: dict = {}
+        self.defaults: dict = {}
+
+    def refusal(self, method: str) -> RuntimeError:
+        """The error for training method `method` (e.g. "engine.backward()")."""
+        return RuntimeError(
+            f"rank {self.rank}: {method} needs an optimizer, and this engine was built without one "
+            f"({self.reason}): a ZeRO-Inference engine runs forward, evaluation and generation "
+            f"only, and holds no gradients, fp32 master weights or optimizer state; {self.fix}"
+        )
+
+    def step(self, closure=None):
+        raise self.refusal("optimizer.step()")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Accept only the empty state another NoOptimizer saved (ValueError otherwise)."""
+        if state.get("state") or state.get("param_groups"):
+            raise ValueError(
+                "an optimizer state with param groups cannot load into an engine without an "
+                f"optimizer ({self.reason}); {self.fix}"
+            )
+
+
 class ZeroOptimizer:
     """Gradient reduction, clipping, loss-scale handling and the sharded optimizer step.
 
@@ -273,7 +325,8 @@ class ZeroOptimizer:
         named_groups: per param group of `optimizer`, the (name, parameter) pairs it trains
             (trainable, non-empty, each parameter once).
         optimizer: a torch.optim.Optimizer built over those groups; its param lists are replaced
-            by this rank's fp32 master shards, keeping every hyper-parameter.
+            by this rank's fp32 master shards, keeping every hyper-parameter. A NoOptimizer (with
+            no named groups) for an engine that does not train ([Note: ZeRO-Inference]).
         layout: the FlatLayout of named_groups.
         settings: ReduceSettings; comm: the data-parallel Communicator; scaler: the LossScaler.
         compute_dtype: dtype of the parameters seen by forward and backward.
@@ -566,8 +619,11 @@ class ZeroOptimizer:
         """Unscale, check overflow, clip and update the owned shards; all-gather parameters.
 
         Returns True when the step was applied, False when skipped (overflow). Collective.
-        Records the global gradient norm (before clipping, identical on every rank).
+        Records the global gradient norm (before clipping, identical on every rank). Raises
+        RuntimeError without an optimizer ([Note: ZeRO-Inference]), before any collective.
         """
+        if not self.trains:
+            raise self.optimizer.refusal("engine.optimizer.step()")
         if self.comm.agreement is not None and self.layout.num_shards == 1:
             # A rank still in a collective method called between backward and step would
             # otherwise leave this rank waiting in the buffers' broadcast (with shards, the
@@ -723,6 +779,11 @@ class ZeroOptimizer:
         self.grads_reduced = False
 
     # ----- introspection ------------------------------------------------------------------
+    @property
+    def trains(self) -> bool:
+        """False for a ZeRO-Inference engine's optimizer, which wraps a NoOptimizer."""
+        return not isinstance(self.optimizer, NoOptimizer)
+
     @property
     def param_groups(self):
         return self.optimizer.param_groups
