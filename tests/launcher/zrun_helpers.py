@@ -73,8 +73,7 @@ record["params"] = [p.tolist() for p in engine.module.parameters()]
 record["master"] = [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]
 with open(os.path.join(OUT, f"rank{launch.rank}.json"), "w") as f:
     json.dump(record, f)
-dist.barrier()  # no rank closes its sockets while a peer still talks to it
-dist.destroy_process_group()
+zero.comm.destroy_process_group()  # a barrier, then torch's: every rank exits cleanly
 """
 
 
