@@ -23,25 +23,6 @@ PROGRAM = Path(__file__).resolve().parent / "programs" / "dschat_sft_program.py"
 DOORWAY = [sys.executable, "-m", "zero.integrations.doorway_cli"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 def sft(model_dir, out, *extra) -> dict:
     """Run the program; returns the model from_pretrained reads back from its output."""
     from transformers import AutoModelForCausalLM

@@ -45,25 +45,6 @@ DS_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 def evaluate(model_dir, out, *extra, ranks: int) -> tuple[dict, torch.Tensor]:
     """Run the program (on `ranks` processes through torch.distributed.run, else plainly);
     its metrics and the predicted logits."""
