@@ -5,6 +5,7 @@ engine, optimizer, dataloader, lr_scheduler = zero.initialize(model=model, confi
 
 import argparse
 import logging
+import math
 import os
 
 import torch
@@ -49,8 +50,12 @@ def initialize(
             below.
         model_parameters: parameters (or param-group dicts) for the config's optimizer; default
             the model's trainable parameters.
-        training_data: a torch Dataset; a DataLoader over a DistributedSampler with
-            train_micro_batch_size_per_gpu samples per batch is returned for it.
+        training_data: a torch Dataset: a DistributedDataLoader over it is returned, with
+            train_micro_batch_size_per_gpu samples per batch (each epoch shuffled anew, alike
+            on every rank; checkpoints save its position). Or a data loader with state_dict()
+            and load_state_dict() (torchdata's StatefulDataLoader): returned as it is, and
+            checkpoints save its state on every rank. engine.training_dataloader is the loader
+            (None without training_data).
         lr_scheduler: a scheduler object bound to `optimizer`, or a callable taking the optimizer
             and returning one; default the config's `scheduler` block.
         mpu: a Megatron-style model-parallel unit; ZeRO then shards over its data-parallel group.
@@ -104,8 +109,18 @@ def initialize(
     _configure_checkpointing(cfg, mpu)
     engine = Engine(model, cfg, comm, accelerator, optimizer, model_parameters, lr_scheduler, mpu)
     loader = None
-    if training_data is not None:
-        loader = _dataloader(training_data, cfg, comm, collate_fn)
+    if _is_stateful_loader(training_data):
+        loader = training_data
+    elif training_data is not None:
+        loader = DistributedDataLoader(
+            training_data,
+            cfg.train_micro_batch_size_per_gpu,
+            comm.world_size,
+            comm.rank,
+            drop_last=cfg.dataloader_drop_last,
+            collate_fn=collate_fn,
+        )
+    engine.training_dataloader = loader  # DeepSpeed's name; save_checkpoint saves its state
     optimizer = None if engine.inference_only else engine.optimizer
     return engine, optimizer, loader, engine.lr_scheduler
 
@@ -243,20 +258,138 @@ def _auto_values(model, optimizer) -> dict:
     return values
 
 
-def _dataloader(dataset, cfg, comm, collate_fn):
-    from torch.utils.data import DataLoader, DistributedSampler
+def _is_stateful_loader(data) -> bool:
+    """A data loader (not a Dataset) that saves its position: torchdata's StatefulDataLoader."""
+    methods = ("state_dict", "load_state_dict", "__iter__")
+    stateful = all(callable(getattr(data, m, None)) for m in methods)
+    return stateful and not isinstance(data, torch.utils.data.Dataset)
 
-    sampler = DistributedSampler(
+
+class EpochSampler(torch.utils.data.Sampler):
+    """This rank's sample indices of epoch `epoch`, as torch's DistributedSampler(shuffle=True,
+    seed=seed) gives them after set_epoch(epoch): one shuffle of the whole dataset per epoch
+    (torch.randperm seeded with seed + epoch, the same on every rank), padded by repeating its
+    first indices (or, with drop_last, cut) to a multiple of num_replicas, rank r taking every
+    num_replicas-th index from r. Unlike DistributedSampler it starts anywhere in the epoch:
+    the first `start` indices of the shuffle (global samples, over all ranks) are done, and the
+    rest is split over the ranks afresh, so a run resumed on another world size sees each
+    sample of the epoch once. len() is this rank's number of samples in a whole epoch."""
+
+    def __init__(self, num_samples: int, num_replicas: int, rank: int, drop_last: bool, seed=0):
+        self.num_samples, self.num_replicas, self.rank = num_samples, num_replicas, rank
+        self.drop_last, self.seed = drop_last, seed
+        self.epoch = 0
+        self.start = 0  # samples of this epoch's shuffle done (all ranks together)
+
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler's: use epoch `epoch`'s shuffle. Another epoch than the current one
+        starts at its beginning; the current one continues where it is (a script calling
+        set_epoch at the top of each epoch resumes mid-epoch after load_checkpoint)."""
+        if epoch != self.epoch:
+            self.epoch, self.start = epoch, 0
+
+    def remaining(self) -> list[int]:
+        """This rank's indices still to come in the epoch."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        rest = order[self.start :]
+        if self.drop_last:
+            rest = rest[: len(rest) - len(rest) % self.num_replicas]
+        elif pad := -len(rest) % self.num_replicas:
+            rest += (order * math.ceil(pad / len(order)))[:pad]
+        return rest[self.rank :: self.num_replicas]
+
+    def num_remaining(self) -> int:
+        """len(remaining()), without shuffling."""
+        left = max(self.num_samples - self.start, 0)
+        left += -(left % self.num_replicas) if self.drop_last else -left % self.num_replicas
+        return left // self.num_replicas
+
+    def __iter__(self):
+        return iter(self.remaining())
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.num_replicas
+        return math.ceil(self.num_samples / self.num_replicas)
+
+
+class DistributedDataLoader(torch.utils.data.DataLoader):
+    """The data loader zero.initialize(training_data=dataset) returns (DeepSpeed's
+    DeepSpeedDataLoader): `batch_size` samples per batch from this rank's part of each epoch
+    (EpochSampler). Iterating to the end of an epoch moves to the next epoch, whose shuffle
+    differs; breaking off and iterating again continues where it stopped. state_dict() is the
+    position (epoch, samples of its shuffle done), which Engine.save_checkpoint saves and
+    load_checkpoint restores: the resumed loader's next batch is the one the saving run would
+    have loaded next (at another world size: the epoch's remaining samples, split anew).
+    Not a collective; every rank must take the same number of batches between checkpoints."""
+
+    def __init__(
+        self,
         dataset,
-        num_replicas=comm.world_size,
-        rank=comm.rank,
-        shuffle=True,
-        drop_last=cfg.dataloader_drop_last,
-    )
-    return DataLoader(
-        dataset,
-        batch_size=cfg.train_micro_batch_size_per_gpu,
-        sampler=sampler,
-        collate_fn=collate_fn,
-        drop_last=cfg.dataloader_drop_last,
-    )
+        batch_size: int,
+        num_replicas: int,
+        rank: int,
+        drop_last: bool = False,
+        collate_fn=None,
+    ):
+        sampler = EpochSampler(len(dataset), num_replicas, rank, drop_last)
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """See EpochSampler.set_epoch (also loader.sampler.set_epoch, as with torch's)."""
+        self.sampler.set_epoch(epoch)
+
+    def _batches_left(self) -> int:
+        left = self.sampler.num_remaining()
+        return left // self.batch_size if self.drop_last else math.ceil(left / self.batch_size)
+
+    def __iter__(self):
+        sampler = self.sampler
+        if self._batches_left() == 0:  # the last batch was taken, but not StopIteration
+            sampler.set_epoch(sampler.epoch + 1)
+        left, epoch = self._batches_left(), sampler.epoch
+        for index, batch in enumerate(super().__iter__()):
+            # Counted before the batch is handed out: a checkpoint saved while the script
+            # trains on it resumes with the next one.
+            if index + 1 == left:
+                sampler.set_epoch(epoch + 1)
+            else:
+                sampler.start += self.batch_size * sampler.num_replicas
+            yield batch
+
+    def state_dict(self) -> dict:
+        """{"epoch", "samples" (of the epoch's shuffle done, all ranks), "dataset_size",
+        "seed"}: JSON numbers."""
+        sampler = self.sampler
+        return {
+            "epoch": sampler.epoch,
+            "samples": sampler.start,
+            "dataset_size": sampler.num_samples,
+            "seed": sampler.seed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a state_dict(). Raises ValueError for another dataset size or seed, or
+        a malformed state, naming the key."""
+        own = self.state_dict()
+        if not isinstance(state, dict) or set(state) != set(own):
+            raise ValueError(f"data loader state {state!r:.200} lacks or adds keys: {sorted(own)}")
+        for key, value in state.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"data loader state '{key}' is {value!r}, not a count")
+        for key in ("dataset_size", "seed"):
+            if state[key] != own[key]:
+                raise ValueError(
+                    f"the saved data loader state is for {key} {state[key]}, this loader has "
+                    f"{own[key]}: its position means nothing here; pass the dataset the saving "
+                    "run used"
+                )
+        self.sampler.epoch, self.sampler.start = state["epoch"], state["samples"]

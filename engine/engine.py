@@ -43,6 +43,7 @@ from .partition.init import (
     refuse_meta,
     take_full,
 )
+from .partition.shared import changed_parameter
 from .partition.stage3 import (
     FrozenShards,
     ParamGatherer,
@@ -53,7 +54,15 @@ from .partition.stage3 import (
     persistent_unit,
     unmanaged_parameter,
 )
-from .partition.stages import NoOptimizer, ReduceSettings, ZeroOptimizer, check_optimizer
+from .partition.stages import (
+    NoOptimizer,
+    ReduceSettings,
+    ZeroOptimizer,
+    check_optimizer,
+    trained_by,
+)
+from .planning.fetch_policy import fetch_settings
+from .planning.memory import state_bytes_per_element
 
 logger = logging.getLogger("zero")
 
@@ -100,6 +109,7 @@ class Engine(torch.nn.Module):
         self.accelerator = accelerator
         self.module = model
         refuse_meta(model, comm.rank)  # e.g. built under torch.device("meta"), never loaded
+        _refuse_trained(model, comm.rank)  # laid out by another engine that was not closed
         _refuse_placeholders(model, comm.rank)  # laid out by another stage-3 engine
         _mark_leaf_names(model, config.zero)  # before the fingerprint, which counts leaves
         # Validate the optimizer and its param groups before any collective or device move.
@@ -150,7 +160,7 @@ class Engine(torch.nn.Module):
             self._materialize_frozen(named_groups)
         self._broadcast_module()
         self.scaler = LossScaler.from_config(config)
-        units, unit_of = self._fetch_units()
+        units, unit_of = self._fetch_units(optimizer)
         self.optimizer = ZeroOptimizer(
             named_groups,
             optimizer,
@@ -187,9 +197,9 @@ class Engine(torch.nn.Module):
                 comm,
                 config.compute_dtype,
                 accelerator.device,
-                prefetch_numel=config.zero.stage3_prefetch_bucket_size,
-                max_live_numel=config.zero.stage3_max_live_parameters,
-                max_reuse_numel=config.zero.stage3_max_reuse_distance,
+                prefetch_numel=self.fetch.prefetch_numel,
+                max_live_numel=self.fetch.max_live_numel,
+                max_reuse_numel=self.fetch.max_reuse_numel,
             )
             self.gatherer.param_swap = self.optimizer.param_swap
             self.gatherer.attach(
@@ -221,6 +231,8 @@ class Engine(torch.nn.Module):
                 )
                 guard_load_state_dict(module)
         gathered.register(self.optimizer)
+        # below stage 3 frozen parameters stay whole, outside the layout (Engine._check_params)
+        self._whole_frozen = self._frozen_named(named_groups) if config.zero.stage < 3 else []
         self.phase = Phase.IDLE
         self._no_sync = False  # inside engine.no_sync()
         self._boundary = None  # set_gradient_accumulation_boundary's value; None: count
@@ -252,15 +264,23 @@ class Engine(torch.nn.Module):
         # ----- end observability -----
 
     # ----- construction -------------------------------------------------------------------
-    def _fetch_units(self):
-        """Stage 3: the fetch units (partition/stage3.py) and id(param) -> unit; else none."""
+    def _fetch_units(self, optimizer):
+        """Stage 3: the fetch units (partition/stage3.py) and id(param) -> unit, sized by the
+        fetch policy (self.fetch, [Note: memory-aware fetch policy] in
+        planning/fetch_policy.py); else none. Collective at stage 3."""
         zero_cfg = self.config.zero
+        self.fetch = None
         if zero_cfg.stage != 3:
             return [], None
-        threshold = zero_cfg.stage3_module_granularity_threshold or zero_cfg.reduce_bucket_size
+        trains = not isinstance(optimizer, NoOptimizer)
+        state_bytes = (state_bytes_per_element(optimizer) or 8) if trains else 0
+        self.fetch = fetch_settings(
+            self.module, self.config, self.comm, self.accelerator.device, trains, state_bytes
+        )
+        logger.info("zero.initialize: stage 3 fetch settings: %s", self.fetch.reason)
         return choose_units(
             self.module,
-            threshold,
+            self.fetch.unit_numel,
             _leaf_classes(zero_cfg),
             zero_cfg.stage3_param_persistence_threshold,
             zero_cfg.stage3_model_persistence_threshold,
@@ -464,12 +484,20 @@ class Engine(torch.nn.Module):
 
     # ----- training loop ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """Run the model. With fp16.auto_cast, floating-point tensor arguments are cast to fp16."""
+        """Run the model. With fp16.auto_cast, floating-point tensor arguments are cast to fp16.
+
+        Raises RuntimeError, before the model runs, when a parameter's tensor, dtype or
+        requires_grad changed after zero.initialize ([Note: parameters changed behind the
+        engine's back] in partition/shared.py), and for a training forward after a backward that
+        raised, until engine.zero_grad() ([Note: a failed backward] in partition/stages.py)."""
         self._refuse_destroyed("forward")
+        self._check_params()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
         # an engine without an optimizer (ZeRO-Inference) has no backward to keep units for
         training = self.optimizer.trains and torch.is_grad_enabled() and self.module.training
+        if training:
+            self._refuse_failed("engine(...) (a training forward)")
         if self.phase is Phase.IDLE and training:
             self.phase = Phase.FORWARD
         if training:
@@ -516,11 +544,17 @@ class Engine(torch.nn.Module):
         Collective: every rank calls it once per micro-batch. Raises RuntimeError when called twice
         for one micro-batch without engine.step() in between, and on an engine built without an
         optimizer (ZeRO-Inference; DeepSpeed asserts "must provide optimizer during init in
-        order to use backward"), naming why it has none.
+        order to use backward"), naming why it has none; when a parameter changed behind the
+        engine's back (as forward); torch's in-place modification error for a loss computed
+        before the last engine.step() ([Note: stale graphs] in partition/stages.py). After a
+        backward that raised, every training call raises until engine.zero_grad() drops the
+        step's gradients ([Note: a failed backward] in partition/stages.py).
         """
         del allreduce_gradients, release_loss
         self._refuse_destroyed("backward")
         self._refuse_without_optimizer("engine.backward()")
+        self._refuse_failed("engine.backward()")
+        self._check_params()
         if self.phase is Phase.BACKWARD:
             if not self._step_optional:
                 raise RuntimeError(
@@ -545,10 +579,15 @@ class Engine(torch.nn.Module):
         with self.monitor.timer("backward"), saved:
             try:
                 (loss * scale).backward(retain_graph=retain_graph)
-            except BaseException:
-                self.optimizer.abandon_backward()  # no collectives: ranks may be elsewhere
+                self.optimizer.finish_backward()
+            except BaseException as error:
+                explained = _stale_graph_error(error, self.comm.rank)
+                # no collectives: ranks may be elsewhere; zero_grad() recovers
+                self.optimizer.abandon_backward(explained or error)
+                self.phase, self._step_optional = Phase.IDLE, False
+                if explained is not None:
+                    raise explained from error
                 raise
-            self.optimizer.finish_backward()
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -562,6 +601,7 @@ class Engine(torch.nn.Module):
         """
         self._refuse_destroyed("step")
         self._refuse_without_optimizer("engine.step()")
+        self._refuse_failed("engine.step()")
         if self._no_sync:
             raise RuntimeError(
                 f"rank {self.comm.rank}: engine.step() inside engine.no_sync(); leave the "
@@ -685,8 +725,14 @@ class Engine(torch.nn.Module):
         they hold none (gradients go into zero's buckets during backward, [Note: gradient
         lifetime] in partition/stages.py), so this never drops gradients accumulated over the
         micro-batches of a step; zero clears those itself after the optimizer step. Not a
-        collective."""
+        collective, except after an engine.backward() that raised: then it drops every gradient
+        of the optimizer step (the micro-batches before the failed one too, as torch's
+        zero_grad() would) and training may go on with the next forward; every rank must call
+        it, and every rank raises RankMismatchError when the ranks' failed backwards launched
+        different reductions ([Note: a failed backward] in partition/stages.py)."""
         super().zero_grad(set_to_none=set_to_none)
+        if not self._destroyed:
+            self.optimizer.zero_grad(set_to_none)
 
     def _check_no_unmanaged_gradients(self) -> None:
         """A parameter with a .grad at the step is one zero does not manage (its hook would have
@@ -695,6 +741,32 @@ class Engine(torch.nn.Module):
         for param in self.module.parameters():
             if param.grad is not None and param.numel() > 0:
                 raise unmanaged_parameter(self.comm.rank, param, self.module)
+
+    def _check_params(self) -> None:
+        """RuntimeError naming a parameter whose tensor, dtype or requires_grad changed after
+        zero.initialize ([Note: parameters changed behind the engine's back] in
+        partition/shared.py): the laid-out ones (ZeroOptimizer.check_params) and, below stage
+        3, the frozen ones kept whole, which must stay frozen. Not a collective."""
+        self.optimizer.check_params()
+        if not self.optimizer.trains:
+            return  # nothing trains: requires_grad changes nothing
+        for name, param in self._whole_frozen:
+            if param.requires_grad:
+                dtype = self.config.compute_dtype
+                raise changed_parameter(self.comm.rank, name, param, dtype, False, True)
+
+    def _refuse_failed(self, method: str) -> None:
+        """RuntimeError for a training call after an engine.backward() that raised, until
+        zero_grad() drops the step's gradients ([Note: a failed backward])."""
+        failed = self.optimizer.failed_backward
+        if failed is not None:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: {method} after an engine.backward() that raised "
+                f"({failed}): that backward left this optimizer step's gradients incomplete "
+                "(some may already be reduced across ranks), so zero cannot step on them. Call "
+                "engine.zero_grad() on every rank to drop them (the micro-batches of this step "
+                "before the failed one too), then run forward and backward again"
+            )
 
     def _sync_buffers(self) -> None:
         """Give every rank rank 0's floating-point buffers (BatchNorm running statistics, which
@@ -876,8 +948,12 @@ class Engine(torch.nn.Module):
         frozen parameters (requires_grad=False; a peft model's base weights) out and records
         their names in meta.json; loading the checkpoint keeps the model's own values for them
         ([Note: frozen parameters left out] in checkpoint/format.py). The write is atomic:
-        `latest` names the new tag only once every file is complete. Raises CheckpointError (a
-        ValueError) when client_state is not JSON-serializable, before anything is written;
+        `latest` names the new tag only once every file is complete. Each rank also saves its
+        random number generators (torch CPU and device, Python, NumPy) and the state of
+        engine.training_dataloader when it has state_dict(). Raises CheckpointError (a
+        ValueError) on every rank, before anything is written, when client_state is not
+        JSON-serializable, and between the micro-batches of a gradient accumulation cycle
+        (the accumulated gradients are not saved: save after engine.step() at the boundary);
         RuntimeError after destroy(). Returns the checkpoint directory.
         """
         from . import checkpoint
@@ -918,7 +994,11 @@ class Engine(torch.nn.Module):
         missing or truncated file or a model that does not fit, before any state is modified;
         also for a checkpoint saved without an lr scheduler loaded into an engine with one
         (unless load_lr_scheduler_states=False: the scheduler then keeps its position and the
-        lr it set) and for a DeepSpeed checkpoint (the message gives the migration path).
+        lr it set) and for a DeepSpeed checkpoint (the message gives the migration path);
+        also between the micro-batches of a gradient accumulation cycle, for a checkpoint an
+        older zero saved mid-cycle, and when a save of the same tag replaced it during the load
+        (load again). Without load_module_only each rank's generators and data loader resume
+        as that rank saved them (docs/checkpoints.md, "Random number generators").
 
         An engine built without an optimizer (ZeRO-Inference) loads the weights alone, from a
         training checkpoint or its own, whatever load_optimizer_states says (it has no optimizer
@@ -987,9 +1067,11 @@ class Engine(torch.nn.Module):
                 getattr(owner, table).pop(key, None)
         if self.gatherer is not None:
             self.gatherer.release_all()
+            self.gatherer.close()  # and the hooks on graphs a script may keep (its last loss)
             self.module.register_forward_pre_hook(_refuse_released_forward)
         self.optimizer.clear_gradients()
         self.optimizer.close()
+        gathered.unregister(self.optimizer)
         self.monitor.close()
 
     def destroy(self) -> None:
@@ -1320,6 +1402,38 @@ def _weights_to_load(engine, reader, strict: bool, excluded: set) -> list[tuple]
             "(load_module_strict=False skips missing and unexpected keys)"
         )
     return list(targets.values())
+
+
+def _stale_graph_error(error: BaseException, rank: int) -> RuntimeError | None:
+    """torch's in-place modification error from a backward, with zero's usual reason for it
+    ([Note: stale graphs] in partition/stages.py); None for any other error (and for stage 3's,
+    which says it)."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or "modified by an inplace operation" not in text:
+        return None
+    if text.startswith("rank "):
+        return None
+    return RuntimeError(
+        f"rank {rank}: {text} engine.step() (and load_checkpoint) update the parameters in "
+        "place, as a torch optimizer does: if this loss was computed before the last "
+        "engine.step(), it cannot be backpropagated after it (with retain_graph=True neither); "
+        "compute the loss again after the step"
+    )
+
+
+def _refuse_trained(model, rank: int) -> None:
+    """ValueError when another engine that was not closed trains parameters of `model` (a
+    second zero.initialize on the same model): both would take the same gradients."""
+    for name, param in model.named_parameters():
+        if trained_by(param) is not None:
+            raise ValueError(
+                f"rank {rank}: parameter '{name}' of {type(model).__name__} is trained by a zero "
+                "engine that was not closed: zero.initialize already laid this model out. A "
+                "model belongs to one engine at a time: keep using that engine, or call its "
+                "close() (DeepSpeed's destroy()) before zero.initialize again (under ZeRO "
+                "stage 3 close() leaves the parameters partitioned: build or load the model "
+                "again)"
+            )
 
 
 def _refuse_released_forward(module, args) -> None:

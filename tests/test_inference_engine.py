@@ -182,6 +182,38 @@ def frozen_left_out(root, x) -> dict:
     return got
 
 
+def fetch_policy(x) -> dict:
+    """stage3_fetch_budget below the whole model (864 bytes in fp32) makes units of at most a
+    quarter of the live budget ([Note: memory-aware fetch policy]); one that holds it keeps
+    DeepSpeed's values (here one unit, reduce_bucket_size elements); a key set in the config
+    wins over the policy."""
+    import zero
+
+    got = {}
+    for name, extra in (
+        ("small", {"stage3_fetch_budget": 512}),
+        ("large", {"stage3_fetch_budget": 10**9}),
+        ("explicit", {"stage3_fetch_budget": 512, "stage3_max_live_parameters": 5000}),
+    ):
+        cfg = config(3)
+        cfg["zero_optimization"] |= {"reduce_bucket_size": 10**6, **extra}
+        engine, *_ = zero.initialize(model=net(), config=cfg)
+        fetch = engine.fetch
+        with torch.no_grad():
+            equal = torch.equal(engine.eval()(x), net().eval()(x))
+        units = sorted(u.name for u in engine.gatherer.units)
+        got[name] = (
+            fetch.unit_numel,
+            fetch.prefetch_numel,
+            fetch.max_live_numel,
+            fetch.max_reuse_numel,
+            units,
+            equal,
+        )
+        engine.close()
+    return got
+
+
 def sweep(root):
     import torch.distributed as dist
 
@@ -191,6 +223,7 @@ def sweep(root):
     for case in CASES:
         results[case] = one_case(root, x, trained_out, *case)
     results["frozen_left_out"] = frozen_left_out(root, x)
+    results["fetch_policy"] = fetch_policy(x)
     results["world_size"] = dist.get_world_size()
     return results
 
@@ -297,3 +330,12 @@ def test_a_trainable_model_with_an_optimizer_block_still_trains():
     engine.backward(engine(ids(0)).float().square().mean())
     engine.step()
     assert engine.model_state_bytes()["optimizer_state"] > 0
+
+
+def test_fetch_policy_sizes_units_from_the_budget(ranks):
+    for got in ranks:
+        small, large, explicit = (got["fetch_policy"][k] for k in ("small", "large", "explicit"))
+        # live = max(512 bytes / 4, twice the embedding's 128 elements) = 256 elements
+        assert small == (64, 128, 256, 0, ["embed", "norm", "proj"], True)
+        assert large == (10**6, 50_000_000, 10**9, 10**9, ["<root>"], True)
+        assert explicit == (64, 128, 5000, 0, ["embed", "norm", "proj"], True)

@@ -10,6 +10,7 @@ only those above it in this list):
     files.py           creating, fsyncing, checksumming and publishing files; stale leftovers
     agreement.py       every rank agrees on each step that may fail on one rank
     validation.py      checks before a load changes state; DeepSpeed checkpoint detection
+    rank_state.py      each rank's own state: random number generators, data loader
     reader.py          resolve, read_meta, GroupReader, load
     writer.py          save
     consolidation.py   ConsolidatedReader, consolidate, save_consolidated

@@ -15,6 +15,13 @@ names is a complete checkpoint, except right after the first rename, when `<tag>
 `<tag>.old` holds its previous, complete version: `resolve` (reader.py) loads `<tag>.old` then,
 and the next save keeps it until a new `<tag>` is in place. Directories are fsynced after their
 renames.
+
+Each version of a tag is whole, but a reader that opened `<tag>/meta.json` of one version may
+open the rank files of the next when a save of the same tag is published in between. The
+reader therefore notes the version it started on (the directory's inode and meta.json's crc32)
+and checks it again once every file it reads is open: a change is a CheckpointError saying the
+tag was replaced during the load (load again), never a checksum error blaming the storage, and
+never a silent mix of two versions ([Note: a tag replaced during a load] in reader.py).
 """
 
 import json
@@ -46,10 +53,11 @@ def _umask() -> int:
     return umask
 
 
-def _write_shard(tensors: dict, path: str) -> tuple[int, str]:
-    """Write a checkpoint's safetensors file; returns its (size in bytes, crc32)."""
+def _write_shard(tensors: dict, path: str, metadata: dict | None = None) -> tuple[int, str]:
+    """Write a checkpoint's safetensors file (with `metadata`, str -> str, in its header);
+    returns its (size in bytes, crc32)."""
     os.close(_create(path))  # claims the name; fails on anything already there, links included
-    save_file(tensors, path)
+    save_file(tensors, path, metadata=metadata)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # as any file the user creates (safetensors: 0600)

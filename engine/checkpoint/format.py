@@ -6,7 +6,8 @@ Layout of one checkpoint, `save_dir/<tag>/`:
                             the ranges each rank holds, counters, loss scaler, lr scheduler,
                             optimizer hyper-parameters, client_state, file sizes and crc32s
     rank<r>.safetensors     rank r: its owned fp32 master weights and optimizer moments, one
-                            1-D tensor per (param group, kind), plus its RNG state
+                            1-D tensor per (param group, kind), plus its RNG states and its
+                            data loader's state ([Note: per-rank state])
     module.safetensors      rank 0: what ZeRO does not partition (frozen parameters, unless
                             the save left them out, and buffers)
 
@@ -18,6 +19,7 @@ the JSON form of the values in it, and the safetensors dtype tables. Which eleme
 file holds is in ownership.py; how the files are written and published is in files.py.
 """
 
+import math
 import os
 import random
 from typing import Annotated
@@ -166,22 +168,22 @@ class _Meta(_Schema):
     counters: _Counters
     loss_scaler: _LossScaler
     lr_scheduler: dict[str, JsonValue] | None
-    python_rng: JsonValue
+    # Rank 0's Python random state, in checkpoints of older versions only: the rank files hold
+    # every rank's now ([Note: per-rank state]).
+    python_rng: JsonValue = None
     client_state: dict[str, JsonValue]
     files: dict[_FileName, _Count]
     crc32: dict[_FileName, _Crc32] | None = None  # absent in checkpoints of older versions
     frozen: list[str] | None = None  # absent in checkpoints of older versions
     # [Note: frozen parameters left out]; absent unless the save passed exclude_frozen_parameters
     excluded_frozen: list[str] | None = None
+    # [Note: saved at an accumulation boundary]; absent in checkpoints of older versions
+    at_accumulation_boundary: bool | None = None
 
     @field_validator("python_rng")
     @classmethod
     def _python_rng(cls, value):
-        try:
-            random.Random().setstate(_as_tuple(value))  # a scratch generator: nothing changes
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"not a state of Python's random module ({error})") from None
-        return value
+        return value if value is None else _python_state(value)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -202,6 +204,149 @@ class _Meta(_Schema):
         if self.crc32 is not None and set(self.crc32) != set(self.files):
             raise ValueError("'crc32' must list exactly the files of 'files'")
         return self
+
+
+# [Note: saved at an accumulation boundary]
+# A checkpoint holds no gradient: save refuses to run while the optimizer holds gradients
+# accumulated since its last step (between the micro-batches of one gradient accumulation
+# cycle, or after the boundary's backward but before engine.step()), and meta.json says
+# `"at_accumulation_boundary": true`. Carrying the partial gradient instead would not resume
+# bitwise at stages 0-1, whose ranks each hold an unreduced sum of their own micro-batches
+# (another world size has other micro-batches). Older versions saved mid-cycle without the
+# gradient: a meta.json without the key whose counters.micro_steps is not a multiple of its
+# config's gradient_accumulation_steps is refused on load (reader.py).
+
+
+def holds_gradients(engine) -> bool:
+    """True while the optimizer holds gradients no step has used ([Note: saved at an
+    accumulation boundary]); not a collective."""
+    return any(b.accum is not None or b.grad_shard is not None for b in engine.optimizer.buckets)
+
+
+# [Note: per-rank state]
+# Besides its shards, each rank file holds what differs between ranks:
+#   tensors   rng.torch_cpu         U8, torch.get_rng_state()
+#             rng.torch_<device>    U8, the device generator's (CUDA: rng.torch_cuda)
+#             data_loader.<n>       the tensors of the data loader's state_dict()
+#   metadata  rng                   JSON {"python": random.getstate(), "numpy": NumPy's global
+#   (strings)                       RandomState as [name, keys, pos, has_gauss, cached] or null}
+#             data_loader           JSON of the data loader's state_dict(), each tensor replaced
+#                                   by {"$tensor": "data_loader.<n>"}; absent without one
+# ("metadata" is safetensors' __metadata__ header entry, covered by the file's crc32.) Rank r
+# loads what rank r saved; reader.py says what a rank that saved nothing gets.
+RNG_METADATA, LOADER_METADATA, LOADER_TENSORS = "rng", "data_loader", "data_loader"
+_TENSOR_REF = "$tensor"
+
+
+class _RankRng(_Schema):
+    python: JsonValue
+    numpy: JsonValue = None
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, value):
+        return _python_state(value)
+
+    @field_validator("numpy")
+    @classmethod
+    def _numpy(cls, value):
+        return value if value is None else _numpy_state(value)
+
+
+def _python_state(value):
+    """Check a JSON form of random.getstate() on a scratch generator (nothing changes)."""
+    try:
+        random.Random().setstate(_as_tuple(value))
+    except (TypeError, ValueError, OverflowError) as error:
+        raise ValueError(f"not a state of Python's random module ({error})") from None
+    return value
+
+
+def _numpy_state(value):
+    """Check a JSON form of numpy.random.get_state() on a scratch RandomState, where NumPy is
+    installed (without it the state is never applied)."""
+    try:
+        import numpy
+    except ImportError:
+        return value
+    try:
+        numpy.random.RandomState().set_state(numpy_state_tuple(value))
+    except (TypeError, ValueError, OverflowError, IndexError) as error:
+        raise ValueError(f"not a state of NumPy's RandomState ({error})") from None
+    return value
+
+
+def numpy_state_tuple(value: list) -> tuple:
+    """[name, keys, pos, has_gauss, cached] (JSON) -> numpy.random.set_state's tuple."""
+    import numpy
+
+    if not isinstance(value, list) or len(value) != 5:
+        raise ValueError("expected [name, keys, pos, has_gauss, cached_gaussian]")
+    name, keys, *rest = value
+    return (name, numpy.asarray(keys, dtype=numpy.uint32), *rest)
+
+
+def stateful_loader(engine):
+    """The engine's data loader when it has state_dict() and load_state_dict() (zero's own, or
+    a torchdata StatefulDataLoader-like object), else None. zero.initialize sets
+    engine.training_dataloader; a script may set it to its own stateful loader."""
+    loader = vars(engine).get("training_dataloader")  # never the model's attribute
+    stateful = all(callable(getattr(loader, m, None)) for m in ("state_dict", "load_state_dict"))
+    return loader if stateful else None
+
+
+def _encode_state(value, prefix: str, where: str) -> tuple:
+    """(JSON value, {key: tensor}): a component's state_dict() with each tensor replaced by
+    {"$tensor": key} and taken out under `prefix.<n>` ([Note: per-rank state]). Raises
+    CheckpointError naming the entry (`where[...]`) that neither JSON nor a tensor holds
+    unchanged: tuples, non-string keys, non-finite floats, other objects."""
+    tensors: dict = {}
+
+    def encode(item, at: str):
+        if torch.is_tensor(item):
+            key = f"{prefix}.{len(tensors)}"
+            tensors[key] = item.detach().cpu().contiguous().clone()
+            return {_TENSOR_REF: key}
+        if isinstance(item, dict) and all(isinstance(k, str) for k in item):
+            if list(item) != [_TENSOR_REF]:
+                return {k: encode(v, f"{at}[{k!r}]") for k, v in item.items()}
+        elif isinstance(item, list):
+            return [encode(v, f"{at}[{i}]") for i, v in enumerate(item)]
+        elif item is None or isinstance(item, (int, str)) or _finite(item):
+            return item
+        raise CheckpointError(
+            f"{at} is {item!r:.80}, which a checkpoint cannot store: it keeps this state as JSON "
+            "and tensors (numbers, strings, lists, dicts with string keys other than "
+            f"{{{_TENSOR_REF!r}: ...}}, tensors)"
+        )
+
+    return encode(value, where), tensors
+
+
+def _finite(item) -> bool:
+    return isinstance(item, float) and math.isfinite(item)  # JSON has no NaN or Infinity
+
+
+def _decode_state(value, tensors):
+    """The inverse of _encode_state; `tensors` maps a key to its tensor (KeyError: missing)."""
+    if isinstance(value, dict):
+        if list(value) == [_TENSOR_REF]:
+            return tensors[value[_TENSOR_REF]]
+        return {k: _decode_state(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_state(v, tensors) for v in value]
+    return value
+
+
+def _tensor_refs(value) -> list:
+    """The tensor keys an encoded state refers to."""
+    if isinstance(value, dict):
+        if list(value) == [_TENSOR_REF]:
+            return [value[_TENSOR_REF]]
+        return [key for v in value.values() for key in _tensor_refs(v)]
+    if isinstance(value, list):
+        return [key for v in value for key in _tensor_refs(v)]
+    return []
 
 
 def _dtype(name: str) -> torch.dtype | None:

@@ -10,7 +10,6 @@ the engine and the training state is applied.
 import json
 import logging
 import os
-import random
 
 import torch
 from pydantic import ValidationError
@@ -18,21 +17,24 @@ from safetensors import safe_open
 
 from ..errors import listed
 from ..progress import progress
+from . import rank_state
 from .agreement import _on_every_rank
+from .files import file_crc32
 from .format import (
     FORMAT,
     LATEST,
     META,
     MODULE_FILE,
     CheckpointError,
-    _as_tuple,
     _check_tag,
     _dtype,
     _dtype_fits,
     _Meta,
     _schema_error,
+    holds_gradients,
     optimizer_name,
     rank_file,
+    stateful_loader,
 )
 from .ownership import _group_slots, _laid_out_ids, _module_tensors, _numel, owned_ranges
 from .validation import (
@@ -88,9 +90,15 @@ def read_meta(path: str) -> dict:
     and key."""
     meta_path = os.path.join(path, META)
     try:
+        limit = _meta_byte_limit(path)
         with open(meta_path, "rb") as handle:
-            text = handle.read().decode("utf-8")
+            raw = handle.read(limit + 1)  # no more: [Note: meta.json size bound]
+        if len(raw) > limit:
+            raise CheckpointError(_meta_too_large(meta_path, limit))
+        text = raw.decode("utf-8")
         meta = json.loads(text, parse_constant=_refuse_constant)
+    except CheckpointError:
+        raise
     except (OSError, ValueError, RecursionError) as error:  # JSON, UTF-8, NaN, depth
         raise CheckpointError(f"{meta_path}: unreadable ({error})") from None
     found = meta.get("format") if isinstance(meta, dict) else None
@@ -110,6 +118,36 @@ def read_meta(path: str) -> dict:
                 "(truncated or replaced)"
             )
     return meta
+
+
+# [Note: meta.json size bound]
+# meta.json grows with the model (a name and shape per parameter) and with world size x buckets
+# (the owned ranges), never past the tensor files it describes, which hold at least an element
+# per range and per parameter (a few bytes, times the optimizer state's kinds). A damaged or
+# hostile meta.json can be anything: 5 million keys take minutes to parse and validate. So
+# read_meta reads at most _META_BASE_BYTES (config, param groups, random states, client_state)
+# plus the bytes of the directory's .safetensors files, and refuses a larger file before
+# parsing anything (a real one is a small fraction of that bound).
+_META_BASE_BYTES = 1 << 20
+
+
+def _meta_byte_limit(path: str) -> int:
+    """The most bytes path/meta.json may have ([Note: meta.json size bound])."""
+    data = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name.endswith(".safetensors") and entry.is_file():
+                data += entry.stat().st_size
+    return _META_BASE_BYTES + data
+
+
+def _meta_too_large(meta_path: str, limit: int) -> str:
+    return (
+        f"{meta_path}: more than {limit:,} bytes, the most a meta.json may have beside this "
+        f"checkpoint's tensor files ({_META_BASE_BYTES >> 20} MiB plus their bytes; a real "
+        "one is a small fraction of that). It is damaged or was not written by zero: load "
+        "another checkpoint (an earlier tag), or restore this one's meta.json from a copy"
+    )
 
 
 def _refuse_constant(name: str):
@@ -235,11 +273,19 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
     every rank (and the ranks agree on it) before any engine state changes."""
     load_optimizer = load_optimizer and not module_only
     load_scheduler = load_scheduler and not module_only
-    path, meta, reader, owned, kinds, module_values, rng, kept = _on_every_rank(
+    loading = (load_optimizer, load_scheduler, module_only)
+    path, meta, reader, owned, kinds, module_values, saved, kept, version = _on_every_rank(
         engine,
         f"verify the checkpoint in {load_dir}",
-        lambda: _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler),
+        lambda: _verify(engine, load_dir, tag, strict, *loading),
     )
+    _agree_on_version(engine, path, version)
+    if not module_only:  # first: a loader that refuses its state leaves everything unchanged
+        _on_every_rank(
+            engine,
+            f"restore the data loader's state from {path}",
+            lambda: rank_state.apply_loader(engine, meta, saved, path),
+        )
     if kept and engine.comm.rank == 0:
         logger.info(
             "load_checkpoint: %s was saved with exclude_frozen_parameters=True; the %d frozen "
@@ -261,17 +307,107 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
         engine.optimizer.refresh_params()
     if not module_only:
         _apply_training_state(engine, meta, load_optimizer, load_scheduler)
-        if rng is not None:
-            torch.set_rng_state(rng)
-            random.setstate(_as_tuple(meta["python_rng"]))
+        rank_state.apply_rng(engine, meta, saved, path)
     return path, meta["client_state"]
 
 
-def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
+# [Note: a tag replaced during a load]
+# A save of the tag being loaded may publish a new version while a rank reads it ([Note:
+# crash-safe publication] in files.py): the rank may then have read meta.json of one version
+# and files of the other. _verify notes the version it starts on (the directory's inode and
+# meta.json's crc32) and checks it again once every file it reads is open (safetensors maps the
+# files: what an open handle reads no longer changes); any difference, or any failure while
+# the version changed, is CheckpointError "replaced while this rank read it". Ranks that each
+# read one whole version may still have read different ones: _agree_on_version compares the
+# crc32 of every rank's meta.json before any state changes.
+
+
+def _version(path: str):
+    """(device, inode, meta.json crc32) of a checkpoint directory, or None when unreadable."""
+    try:
+        info = os.stat(path)
+        return info.st_dev, info.st_ino, int(file_crc32(os.path.join(path, META)), 16)
+    except OSError:
+        return None
+
+
+def _replaced(path: str) -> CheckpointError:
+    tag = os.path.basename(path)
+    return CheckpointError(
+        f"{path} was replaced while this rank read it: a save_checkpoint of tag {tag!r} "
+        "published a new version during this load (its files are whole; this read would mix "
+        "the two versions). Load again; to avoid the race, load while no job saves this tag, or "
+        "save under a new tag each time (the default global_step<N>)"
+    )
+
+
+def _agree_on_version(engine, path: str, version) -> None:
+    """[Note: a tag replaced during a load]: every rank raises CheckpointError when the ranks
+    read different versions of meta.json. Collective."""
+    if engine.comm.world_size == 1:
+        return
+    crc = version[2]
+    bounds = torch.tensor([crc, -crc], dtype=torch.int64, device=engine.device)
+    engine.comm.all_reduce(bounds, op="max")
+    if bounds[0].item() != -bounds[1].item():
+        raise CheckpointError(
+            f"rank {engine.comm.rank}: the ranks read different versions of {path} (meta.json "
+            f"crc32 {crc:08x} here): a save_checkpoint of tag {os.path.basename(path)!r} "
+            "published a new version during this load; load again (nothing was changed)"
+        )
+
+
+def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_only):
     """Resolve, read metadata, and check every file, key, range and value this rank will read
     or apply: meta.json against its schema, the size and crc32 of every file this rank reads
-    (before it opens them), each tensor's dtype and shape, the training state's keys."""
+    (before it opens them), each tensor's dtype and shape, the training state's keys; and that
+    no save replaced the tag meanwhile ([Note: a tag replaced during a load]). Returns what
+    load applies, and the version read."""
+    _refuse_mid_accumulation(engine)
     path = resolve(load_dir, tag)
+    version = _version(path)
+    try:
+        found = _verify_version(engine, path, strict, load_optimizer, load_scheduler, module_only)
+    except Exception as error:
+        if _version(path) != version:
+            raise _replaced(path) from error
+        raise
+    if version is None or _version(path) != version:
+        raise _replaced(path)
+    return (*found, version)
+
+
+def _refuse_mid_accumulation(engine) -> None:
+    """Gradients accumulated since the last step belong to the weights a load replaces."""
+    if holds_gradients(engine):
+        raise CheckpointError(
+            f"rank {engine.comm.rank}: load_checkpoint between the micro-batches of a gradient "
+            "accumulation cycle: the gradients accumulated since the last optimizer step would "
+            "be applied to the loaded weights. Call load_checkpoint before training, or after "
+            "engine.step() at the accumulation boundary"
+        )
+
+
+def _mid_cycle(meta: dict) -> list[str]:
+    """[Note: saved at an accumulation boundary] in format.py: an older checkpoint saved between
+    the micro-batches of a cycle, without the gradients accumulated in it."""
+    gas = meta["config"].get("gradient_accumulation_steps")
+    steps = meta["counters"]["micro_steps"]
+    if meta.get("at_accumulation_boundary") or not isinstance(gas, int) or gas < 1:
+        return []
+    if steps % gas == 0:
+        return []
+    return [
+        f"counters.micro_steps is {steps}, not a multiple of the saved config's "
+        f"gradient_accumulation_steps ({gas}): an older zero saved this checkpoint between the "
+        "micro-batches of a gradient accumulation cycle and did not save the gradients "
+        "accumulated in it, so resuming would step without them. Resume from a checkpoint "
+        "saved after engine.step() at the boundary, or pass load_module_only=True to load its "
+        "weights alone"
+    ]
+
+
+def _verify_version(engine, path, strict, load_optimizer, load_scheduler, module_only):
     meta = read_meta(path)
     slots = _group_slots(engine)
     layout_problems = [f"{META}: {p}" for p in _layout_problems(meta, slots)]
@@ -283,10 +419,10 @@ def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
         for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items()
         for lo, hi, bucket in ranges
     ]
+    wants_loader = not module_only and stateful_loader(engine) is not None
     if engine.config.checkpoint.verify_checksums:
         files = {MODULE_FILE} | {f for g, lo, hi, _ in owned for f in reader.files(g, lo, hi)}
-        if str(engine.comm.rank) in meta["ranks"]:
-            files.add(rank_file(engine.comm.rank))  # its RNG state
+        files |= rank_state.files_to_read(meta, engine.comm.rank, wants_loader)
         verify_checksums(path, meta, files)
     laid_out = _laid_out_ids(engine)
     module_values, module_problems, kept = _read_module_file(path, engine, laid_out, strict, meta)
@@ -300,14 +436,15 @@ def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler):
             f"{current!r}; pass load_optimizer_states=False to load the weights only"
         )
     problems = _training_state_problems(meta, engine, load_optimizer, load_scheduler)
+    problems += [] if module_only else _mid_cycle(meta)
     if problems:
         raise CheckpointError(f"{os.path.join(path, META)}: {'; '.join(problems)}")
     kinds = ["master"] + (meta["sharded_state"] if load_optimizer else [])
     for group, lo, hi, _ in owned:
         for kind in kinds:
             reader.check(group, kind, lo, hi)
-    rng = _read_rng(path, meta, engine.comm.rank)
-    return path, meta, reader, owned, kinds, module_values, rng, kept
+    saved = rank_state.read(path, meta, engine, wants_loader, _open)
+    return path, meta, reader, owned, kinds, module_values, saved, kept
 
 
 def _trained_but_excluded(meta: dict, slots: list[list]) -> list[str]:
@@ -364,22 +501,6 @@ def _read_module_file(path: str, engine, laid_out: set[int], strict: bool, meta:
         (tensor, handle.get_tensor(name)) for name, tensor in targets.items() if name in saved
     ]
     return values, [f"{MODULE_FILE}: {p}" for p in problems], kept
-
-
-def _read_rng(path, meta, rank):
-    """This rank's saved torch CPU generator state, checked (None when rank saved none)."""
-    if str(rank) not in meta["ranks"]:
-        return None
-    handle, key = _open(path, rank_file(rank)), "rng.torch_cpu"
-    expected = list(torch.get_rng_state().shape)
-    saved = handle.get_slice(key) if key in handle.keys() else None
-    if saved is None or (saved.get_dtype(), saved.get_shape()) != ("U8", expected):
-        found = "missing" if saved is None else f"{saved.get_dtype()} {saved.get_shape()}"
-        raise CheckpointError(
-            f"{os.path.join(path, rank_file(rank))}: tensor '{key}' is {found}, expected U8 "
-            f"{expected}"
-        )
-    return handle.get_tensor(key)
 
 
 def _read_shards(engine, meta, reader, owned, kinds, load_optimizer: bool) -> None:

@@ -3,8 +3,8 @@
 A checkpoint is one `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` with
 `model.safetensors.index.json` ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}).
 
-SafetensorsReader reads any range of elements of one tensor through safetensors' own
-safe_open/get_slice (the row range that covers it), counting the bytes it reads.
+SafetensorsReader reads any range of elements of one tensor with positioned reads of exactly its
+bytes (the header gives every tensor's offsets), counting the bytes it reads; it maps nothing.
 
 ShardedWriter writes the format itself (the safetensors package writes whole dicts only): an
 8-byte little-endian header length, a JSON header {name: {"dtype", "shape", "data_offsets"}} with
@@ -22,7 +22,6 @@ import struct
 import sys
 
 import torch
-from safetensors import safe_open
 
 from .format import SAFETENSORS_DTYPES, CheckpointError
 
@@ -56,21 +55,83 @@ def is_weights_file(name: str) -> bool:
     return name == INDEX_FILE or _SHARD.fullmatch(name) is not None
 
 
+# The JSON header's largest size, in bytes (safetensors' own reader refuses larger ones).
+HEADER_LIMIT = 100 * 2**20
+_DTYPE_OF_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPE_OF_NAME[_name] = getattr(torch, _attr)
+
+
+def read_header(file: str) -> tuple[int, dict]:
+    """The header of one safetensors file: (byte offset of its data, {name: (dtype, shape,
+    begin, end)}) with [begin, end) the tensor's bytes relative to that offset. Checks that the
+    header is at most HEADER_LIMIT bytes of JSON, every dtype is known, and every tensor's bytes
+    lie inside the file and match its shape; raises CheckpointError naming the file and the
+    tensor. Reads the header only."""
+    try:
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            size = os.fstat(handle.fileno()).st_size
+            if len(prefix) < 8:
+                raise CheckpointError(f"{file}: not a safetensors file (under 8 bytes)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(HEADER_LIMIT, size - 8):
+                raise CheckpointError(
+                    f"{file}: not a safetensors file (its header claims {length} bytes; the "
+                    f"file has {size}, and headers are at most {HEADER_LIMIT})"
+                )
+            header = json.loads(handle.read(length))
+    except OSError as error:
+        raise CheckpointError(f"{file}: cannot be read ({error})") from None
+    except ValueError as error:
+        raise CheckpointError(f"{file}: not a safetensors file ({error})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: not a safetensors file (its header is not a mapping)")
+    data_start, entries = 8 + length, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPE_OF_NAME[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(
+                f"{file}: tensor '{name}' has an unreadable header entry ({error!r}): "
+                "dtype, shape and data_offsets are needed, with a dtype of "
+                f"{sorted(_DTYPE_OF_NAME)}"
+            ) from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - data_start:
+            raise CheckpointError(f"{file}: tensor '{name}' lies outside the file (truncated?)")
+        if end - begin != nbytes:
+            raise CheckpointError(
+                f"{file}: tensor '{name}' holds {end - begin} bytes; shape {list(shape)} of "
+                f"{entry['dtype']} needs {nbytes}"
+            )
+        entries[str(name)] = (dtype, shape, begin, end)
+    return data_start, entries
+
+
 class SafetensorsReader:
     """The tensors of an HF safetensors checkpoint: a directory with model.safetensors or
     model.safetensors.index.json and its shards, a .safetensors file, or an index file.
 
-    Every file's header is read when constructed (names and shapes) and every name the index
-    lists is checked; read() then maps the files it reads from (safe_open maps a whole file,
-    copy-on-write: close() unmaps them, so a caller that reads file by file keeps one mapped).
+    Every file's header is read when constructed (names, dtypes, shapes and byte offsets) and
+    every name the index lists is checked. read() then reads exactly the bytes of the elements
+    asked for (positioned reads): no file is mapped, so a rank that reads its 1/N slices holds
+    those and nothing else, and RLIMIT_DATA or a cgroup limit never sees a whole file.
     `keys`: the tensor names; `file_of`: name -> file. Raises CheckpointError naming the file
     and the key.
     """
 
     def __init__(self, path):
+        if sys.byteorder != "little":
+            raise NotImplementedError("reading safetensors on a big-endian host")
         self.path = os.fspath(path)
-        self._handles: dict[str, object] = {}
-        self._shapes: dict[str, dict] = {}  # file -> {name: shape}
+        self._files: dict[str, object] = {}  # file -> open handle (unbuffered)
+        self._headers: dict[str, tuple[int, dict]] = {}  # file -> read_header(file)
         self.file_of = self._weight_map()
         self.keys = list(self.file_of)
         self.bytes_read = 0  # bytes read by read() so far
@@ -106,52 +167,44 @@ class SafetensorsReader:
                 raise CheckpointError(f"{file}: tensor '{key}' that {index} lists is missing")
         return files
 
-    def _handle(self, file: str):
-        if file not in self._handles:
+    def _header(self, file: str) -> dict:
+        """{name: (dtype, shape, begin, end)} of a file."""
+        if file not in self._headers:
             if not os.path.isfile(file):
                 raise CheckpointError(f"{file} is missing")
-            try:
-                self._handles[file] = safe_open(file, framework="pt")
-            except Exception as error:
-                message = f"{file}: not a readable safetensors file ({error})"
-                raise CheckpointError(message) from None
-        return self._handles[file]
-
-    def _header(self, file: str) -> dict:
-        """{name: shape} of a file (mapped only while read here)."""
-        if file not in self._shapes:
-            handle = self._handle(file)
-            self._shapes[file] = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
-            handle.__exit__(None, None, None)
-            del self._handles[file]
-        return self._shapes[file]
+            self._headers[file] = read_header(file)
+        return self._headers[file][1]
 
     def shape(self, key: str) -> tuple:
-        return self._header(self.file_of[key])[key]
+        return self._header(self.file_of[key])[key][1]
 
     def read(self, key: str, begin: int, end: int) -> torch.Tensor:
         """Elements [begin, end) of the flattened tensor `key`: (end - begin,) in the file's
-        dtype, on the host. Reads the rows of dimension 0 that hold them."""
-        handle = self._handle(self.file_of[key])
-        piece = handle.get_slice(key)
-        shape = piece.get_shape()
-        numel = math.prod(shape)
-        if not shape or (begin == 0 and end == numel):
-            value = handle.get_tensor(key).reshape(-1)
-        else:
-            row = numel // shape[0]
-            first, last = begin // row, -(-end // row)
-            value = piece[first:last].reshape(-1)
-            begin, end = begin - first * row, end - first * row
-        size = value.numel() * value.element_size()
+        dtype, on the host, read from the file and nothing around them."""
+        file = self.file_of[key]
+        data_start = self._headers[file][0]
+        dtype, _, offset, _ = self._header(file)[key]
+        value = torch.empty(end - begin, dtype=dtype)
+        size = value.numel() * dtype.itemsize
+        if size:
+            if file not in self._files:
+                self._files[file] = open(file, "rb", buffering=0)  # noqa: SIM115 (closed by close())
+            handle = self._files[file]
+            handle.seek(data_start + offset + begin * dtype.itemsize)
+            view, done = memoryview(value.view(torch.uint8).numpy()), 0
+            while done < size:
+                count = handle.readinto(view[done:])
+                if not count:
+                    raise CheckpointError(f"{file}: tensor '{key}' ends early (truncated?)")
+                done += count
         self.bytes_read += size
         self.largest_read = max(self.largest_read, size)
-        return value[begin:end]
+        return value
 
     def close(self) -> None:
-        for handle in self._handles.values():
-            handle.__exit__(None, None, None)
-        self._handles.clear()
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
 
 
 class ShardedWriter:

@@ -1,7 +1,8 @@
 """Writing a checkpoint: each rank writes what it owns, rank 0 writes meta.json last.
 
 Owns: save, the checks of its inputs made on every rank before anything is written (tag,
-client_state, lr scheduler state), and the contents of the rank files, module.safetensors and
+client_state, lr scheduler state, an accumulation boundary, the data loader's state), and the
+contents of the rank files (their per-rank state through rank_state.py), module.safetensors and
 meta.json. The files are written and published through files.py ([Note: crash-safe
 publication]); the ranks agree on every step through agreement.py.
 """
@@ -10,12 +11,12 @@ import contextlib
 import json
 import logging
 import os
-import random
 from collections.abc import Mapping
 
 import torch
 
 from ..progress import progress
+from . import rank_state
 from .agreement import _on_every_rank, _on_rank_0, _share_text
 from .files import (
     _create_json,
@@ -34,6 +35,7 @@ from .format import (
     CheckpointError,
     _check_tag,
     _jsonable,
+    holds_gradients,
     optimizer_name,
     rank_file,
 )
@@ -56,11 +58,13 @@ def save(
     and lists their names in meta.json's `excluded_frozen` ([Note: frozen parameters left out]).
 
     Collective. Raises CheckpointError on every rank (before anything is written) for a bad tag
-    or client_state, and on every rank when any rank fails to write (the failing rank raises
-    its own error); the previous checkpoint and `latest` stay as they were then.
+    or client_state, a data loader state a checkpoint cannot hold, or a save while the optimizer
+    holds accumulated gradients ([Note: saved at an accumulation boundary] in format.py); and on
+    every rank when any rank fails to write (the failing rank raises its own error); the
+    previous checkpoint and `latest` stay as they were then.
     """
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    scheduler_state = _on_every_rank(
+    scheduler_state, loader_state = _on_every_rank(
         engine,
         "check the checkpoint tag and state",
         lambda: _check_inputs(engine, tag, client_state),
@@ -76,7 +80,9 @@ def save(
         gather = engine.frozen is not None and not exclude_frozen
         frozen = engine.frozen.full_values() if gather else {}
         written = _on_every_rank(
-            engine, f"write {tmp}", lambda: _write_files(engine, tmp, frozen, excluded or {})
+            engine,
+            f"write {tmp}",
+            lambda: _write_files(engine, tmp, frozen, excluded or {}, loader_state),
         )
         files, crcs = _gather_files(engine, written)
 
@@ -94,10 +100,28 @@ def save(
 
 
 def _check_inputs(engine, tag, client_state: Mapping):
-    """This rank's checks before anything is written; returns the lr scheduler's state."""
+    """This rank's checks before anything is written; returns the lr scheduler's state and the
+    data loader's (None, or its encoded state_dict() and tensors)."""
     _check_tag(tag)
+    _refuse_mid_accumulation(engine)
     _check_json(client_state, "client_state")
-    return _scheduler_state(engine)
+    return _scheduler_state(engine), rank_state.encode_loader(engine)
+
+
+def _refuse_mid_accumulation(engine) -> None:
+    """[Note: saved at an accumulation boundary] in format.py: CheckpointError while the
+    optimizer holds gradients that no step has used yet."""
+    if not holds_gradients(engine):
+        return
+    gas = engine.config.gradient_accumulation_steps
+    raise CheckpointError(
+        f"rank {engine.comm.rank}: save_checkpoint between the micro-batches of a gradient "
+        f"accumulation cycle (gradient_accumulation_steps={gas}, micro_steps="
+        f"{engine.micro_steps}): this rank holds the gradients accumulated since the last "
+        "optimizer step, which a checkpoint does not carry, so a run resumed from it would step "
+        "without them. Call save_checkpoint after engine.step() at the accumulation boundary "
+        f"(after the step that ends each cycle of {gas} micro-batches)"
+    )
 
 
 def _finish(meta: dict, save_dir: str, tag: str, save_latest: bool) -> None:
@@ -183,8 +207,8 @@ def _scheduler_state(engine):
     return state
 
 
-def _write_files(engine, directory: str, frozen: dict, excluded: dict) -> dict:
-    written = {rank_file(engine.comm.rank): _write_rank_file(engine, directory)}
+def _write_files(engine, directory: str, frozen: dict, excluded: dict, loader_state) -> dict:
+    written = {rank_file(engine.comm.rank): _write_rank_file(engine, directory, loader_state)}
     if engine.comm.rank == 0:
         written[MODULE_FILE] = _write_module_file(engine, directory, frozen, excluded)
     return written
@@ -219,10 +243,10 @@ def _sharded_state_keys(engine) -> list[str]:
     return sorted(keys)
 
 
-def _write_rank_file(engine, directory: str) -> tuple[int, str]:
-    tensors = {"rng.torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors["rng.torch_cuda"] = torch.cuda.get_rng_state()
+def _write_rank_file(engine, directory: str, loader_state) -> tuple[int, str]:
+    """rank<r>.safetensors: this rank's shards and its per-rank state ([Note: per-rank state]
+    in format.py)."""
+    tensors, metadata = rank_state.capture(engine.device, loader_state)
     shard = _written_shard(engine.optimizer.layout, engine.comm.rank)
     if shard is not None:
         state = engine.optimizer.optimizer.state
@@ -243,7 +267,8 @@ def _write_rank_file(engine, directory: str) -> tuple[int, str]:
                         tensors[f"group{group}.{kind}.{index}"] = (
                             value.clone() if swapped else value
                         )
-    return _write_shard(tensors, os.path.join(directory, rank_file(engine.comm.rank)))
+    path = os.path.join(directory, rank_file(engine.comm.rank))
+    return _write_shard(tensors, path, metadata)
 
 
 def _write_module_file(engine, directory: str, frozen: dict, excluded: dict) -> tuple[int, str]:
@@ -299,11 +324,11 @@ def _meta(
         },
         "loss_scaler": engine.scaler.state_dict(),
         "lr_scheduler": scheduler_state,
-        "python_rng": _jsonable(random.getstate()),
         "client_state": client_state,
         "files": files,
         "crc32": crcs,
         "frozen": [name for name, param in _frozen_params(engine) if id(param) not in left_out],
+        "at_accumulation_boundary": True,  # save refused otherwise
     }
     if excluded is not None:
         meta["excluded_frozen"] = list(excluded)

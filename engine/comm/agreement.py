@@ -37,6 +37,7 @@ METHODS = (
     "load_pretrained",
     "zero.utils.safe_get_full_* (an all-gather of one parameter)",
     "zero.utils.safe_set_full_* (every rank passes the same value)",
+    "engine.zero_grad() after a failed engine.backward()",
 )
 
 

@@ -31,6 +31,19 @@ _FROM_HIDDEN_SIZE = {
 # changes what is trained, so an unfilled "auto" there stays an error.
 # DeepSpeed keys whose default is the word "auto" itself: read as null, zero's spelling of it.
 _AUTO_IS_NULL = ("data_types.keep_in_fp32_modules",)
+# zero's own keys whose value may be the word "auto" itself.
+_AUTO_IS_VALUE = ("zero_optimization.stage3_fetch_budget",)
+# Stage 3's fetch keys: an "auto" nothing fills is left unset, so that the fetch policy chooses
+# it from the memory a rank may use ([Note: memory-aware fetch policy] in
+# planning/fetch_policy.py), where DeepSpeed would take its default.
+_AUTO_IS_POLICY = (
+    "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_module_granularity_threshold",
+)
+_AUTO_IS_POLICY_SHORT = {k.removeprefix("stage3_") for k in _AUTO_IS_POLICY}
+_UNSET = object()
 _AUTO_TAKES_DEFAULT = (
     "reduce_bucket_size",
     "allgather_bucket_size",
@@ -59,21 +72,28 @@ def _resolve_auto(
             f"got {hidden!r}."
         )
     defaulted: dict[str, Any] = {}
+    to_policy: list[str] = []  # fetch keys left unset for the fetch policy
 
     def fill(node: Any, key: str) -> Any:
         if isinstance(node, dict):
-            return {k: fill(v, f"{key}.{k}" if key else str(k)) for k, v in node.items()}
+            filled = {k: fill(v, f"{key}.{k}" if key else str(k)) for k, v in node.items()}
+            return {k: v for k, v in filled.items() if v is not _UNSET}
         if isinstance(node, list):
             return [fill(v, f"{key}.{i}") for i, v in enumerate(node)]
         if not (isinstance(node, str) and node == _AUTO):
             return node
         if key in _AUTO_IS_NULL:
             return None
+        if key in _AUTO_IS_VALUE:
+            return node
         if key in auto_values:  # checked like the file's own values (an inf lr, say)
             return _checked(auto_values[key], key, where, depth=key.count(".") + 2)
         if key in _FROM_HIDDEN_SIZE and hidden is not None:
             return _FROM_HIDDEN_SIZE[key](hidden)
         name = key.removeprefix("zero_optimization.")
+        if key != name and name.removeprefix("stage3_") in _AUTO_IS_POLICY_SHORT:
+            to_policy.append(key)
+            return _UNSET
         if key != name and name in _AUTO_TAKES_DEFAULT:
             defaulted[key] = ZeroConfig.model_fields[name].default
             return defaulted[key]
@@ -96,6 +116,11 @@ def _resolve_auto(
         )
     if defaulted:
         notes.append(_defaults_taken(defaulted, where))
+    if to_policy:
+        notes.append(
+            f'{where}"auto" entries left to stage 3\'s fetch policy (chosen from the memory '
+            f"a rank may use at zero.initialize, docs/stages.md): {', '.join(to_policy)}"
+        )
     return data
 
 
@@ -117,7 +142,8 @@ def _auto_keys(node: Any, key: str) -> list[str]:
     elif isinstance(node, list):
         items = enumerate(node)
     else:
-        return [key] if isinstance(node, str) and node == _AUTO else []
+        auto = isinstance(node, str) and node == _AUTO and key not in _AUTO_IS_VALUE
+        return [key] if auto else []
     found: list[str] = []
     for k, v in items:
         found += _auto_keys(v, f"{key}.{k}" if key else str(k))

@@ -1,9 +1,11 @@
 """Loading a config: ``load_config`` runs the steps below in order; ``settings_without_effect``.
 
 1. read the source (path to .json/.hjson/.yaml/.yml, a mapping, or an existing ``Config``);
-   YAML reads 1e-3 as a float, like JSON. One walk over the data refuses a key given twice
-   in one mapping, keys that are not strings, nesting deeper than 100 levels and non-finite
-   numbers anywhere (parse.py, see [Note: what the checking walk refuses]);
+   YAML reads 1e-3 as a float, like JSON. A file over 256 KiB is refused before it is read,
+   and a config of more than 5,000 values (YAML aliases expanded) as soon as the parser or the
+   walk passes that many ([Note: size limits]). One walk over the data refuses a key given
+   twice in one mapping, keys that are not strings, nesting deeper than 100 levels and
+   non-finite numbers anywhere (parse.py, see [Note: what the checking walk refuses]);
 2. map deprecated DeepSpeed names to their current ones (each with a ``FutureWarning``), and
    DeepSpeed's unprefixed names of the stage3_ keys to the prefixed ones (deepspeed_keys.py);
 3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs); an "auto"
@@ -65,10 +67,12 @@ def load_config(
         An immutable ``Config`` whose three batch keys are ints.
 
     Raises:
-        ConfigError: missing, unreadable, non-UTF-8 or unparsable file, non-finite number or
-            nesting deeper than 100 levels anywhere, unknown key, invalid value, broken cross-field
-            rule, unresolved "auto", or a batch triple that does not fit ``world_size``. The
-            message names the dotted key, the value and the fix (and the file, if any).
+        ConfigError: missing, unreadable, non-UTF-8, unparsable or too large (over 256 KiB,
+            or over 5,000 values with YAML aliases expanded) file or mapping, non-finite
+            number or nesting deeper than 100 levels anywhere, unknown key, invalid value,
+            broken cross-field rule, unresolved "auto", or a batch triple that does not fit
+            ``world_size``. The message names the dotted key, the value and the fix (and the
+            file, if any).
         ConfigNotImplementedError (a ConfigError and a NotImplementedError): only valid
             DeepSpeed settings zero does not implement and would change the run if ignored
             (ZeRO++ / MiCS, torch_autocast, AutoTP, ...).

@@ -3,8 +3,9 @@
 Owns the step before any key is interpreted: a path (.json, .hjson, .yaml, .yml) or a mapping
 becomes a fresh dict of plain dicts and lists, or a ``ConfigError`` naming the file, line or
 dotted key. YAML reads 1e-3 as a float, like JSON; a key given twice in one mapping, a key that
-is not a string, nesting deeper than 100 levels and non-finite numbers are refused (see
-[Note: what the checking walk refuses] and [Note: duplicate keys]).
+is not a string, nesting deeper than 100 levels, non-finite numbers, a file over 256 KiB and more
+than 5,000 values (YAML aliases expanded) are refused (see [Note: what the checking walk
+refuses], [Note: duplicate keys] and [Note: size limits]).
 """
 
 import math
@@ -43,8 +44,38 @@ def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
     return where, _checked(data, "", where)
 
 
+# [Note: size limits]
+# Every DeepSpeed key together is a few hundred values and a few kilobytes, so a config far
+# larger is a mistake or hostile, and reading it must fail at once rather than after minutes:
+# the pure-Python parsers read about 1 MiB/s (hjson) and 10,000 values/s (PyYAML), and YAML
+# aliases make a small file large (the "billion laughs": nine levels, each a list of nine
+# aliases to the one before, expand 500 bytes into 387 million values, which the checking walk
+# would copy one by one).
+# So a file is refused above _MAX_FILE_BYTES before it is read, YAML's composer counts the
+# values of the document with every alias expanded (_YamlLoader.compose_node) and stops past
+# _MAX_VALUES before anything is constructed, and the checking walk stops past _MAX_VALUES too
+# (a JSON file, or a Python mapping whose lists share one object many times over).
+_MAX_FILE_BYTES = 256 << 10  # ~50x the largest real config; hjson reads it in ~0.3 s
+_MAX_VALUES = 5_000  # ~25x every DeepSpeed key; PyYAML composes that many in ~0.4 s
+
+
+class _TooManyValues(Exception):
+    """Raised inside the YAML loader past _MAX_VALUES (not a YAMLError / ValueError, so _parse
+    tells it apart from a parse error)."""
+
+
+def _too_many_values(where: str, key: str = "") -> str:
+    at = f" (the walk was at '{key}')" if key else ""
+    return (
+        f"{where}more than {_MAX_VALUES:,} values (mappings, lists and scalars, YAML aliases "
+        f"expanded){at}: a config of every DeepSpeed key has a few hundred. Remove what does "
+        "not belong in a config; if aliases repeat a block, write it out once."
+    )
+
+
 def _read_text(path: Path, where: str) -> str:
-    """The file's text; a ConfigError for a directory, a missing file or bytes not UTF-8."""
+    """The file's text; a ConfigError for a directory, a missing file, a file over
+    _MAX_FILE_BYTES or bytes not UTF-8."""
     try:
         if path.is_dir():
             raise ConfigError(f"{where}is a directory; give the path of the config file in it.")
@@ -52,7 +83,16 @@ def _read_text(path: Path, where: str) -> str:
             raise ConfigError(f"{where}file not found; check the path.")
         if not path.is_file():
             raise ConfigError(f"{where}is not a regular file; give the path of a config file.")
-        raw = path.read_bytes()
+        size = path.stat().st_size
+        if size > _MAX_FILE_BYTES:
+            raise ConfigError(
+                f"{where}{size:,} bytes is more than the {_MAX_FILE_BYTES:,} a config may have "
+                "(a config of every DeepSpeed key is a few kilobytes); check that the path "
+                "names the config and not a data or checkpoint file."
+            )
+        raw = path.read_bytes()[: _MAX_FILE_BYTES + 1]  # grown since stat: refused below
+        if len(raw) > _MAX_FILE_BYTES:
+            raise ConfigError(f"{where}grew past {_MAX_FILE_BYTES:,} bytes while being read.")
     except OSError as err:
         raise ConfigError(
             f"{where}cannot be read ({err.strerror or err}); check the path and its permissions."
@@ -82,6 +122,8 @@ def _parse(text: str, suffix: str, where: str) -> Any:
         if suffix in (".yaml", ".yml"):
             return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no objects
         return hjson.loads(text, object_pairs_hook=_mapping_from_pairs, parse_float=_hjson_float)
+    except _TooManyValues:
+        raise ConfigError(_too_many_values(where)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -142,13 +184,18 @@ _NON_FINITE_TEXT = ("Infinity", "-Infinity", "NaN")
 _INFINITY_MEANS_NEVER = "steps_per_print"
 
 
-def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
+def _checked(node: Any, key: str, where: str, depth: int = 1, walked: list | None = None) -> Any:
     """Deep copy into plain dicts and lists (never aliasing the input), checked as it goes.
 
     ``key`` is the dotted key of ``node`` ("" for the top level), ``depth`` the number of
-    mappings and lists around it plus one. Raises ConfigError naming the key; see
-    [Note: what the checking walk refuses].
+    mappings and lists around it plus one, ``walked`` a one-element list counting the values
+    copied so far (started here when None). Raises ConfigError naming the key; see
+    [Note: what the checking walk refuses] and [Note: size limits].
     """
+    walked = [0] if walked is None else walked
+    walked[0] += 1
+    if walked[0] > _MAX_VALUES:
+        raise ConfigError(_too_many_values(where, key))
     if isinstance(node, (Mapping, list, tuple)) and depth > _MAX_DEPTH:
         raise ConfigError(_too_deep(where, key))
     if isinstance(node, _Duplicated):
@@ -164,9 +211,9 @@ def _checked(node: Any, key: str, where: str, depth: int = 1) -> Any:
                     f"not a string but {type(name).__name__}; quote it (YAML reads unquoted 1, "
                     "true and null as a number, a boolean and null)."
                 )
-        return {k: _checked(v, _join(key, k), where, depth + 1) for k, v in node.items()}
+        return {k: _checked(v, _join(key, k), where, depth + 1, walked) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
-        return [_checked(v, _join(key, i), where, depth + 1) for i, v in enumerate(node)]
+        return [_checked(v, _join(key, i), where, depth + 1, walked) for i, v in enumerate(node)]
     huge = isinstance(node, int) and not isinstance(node, bool) and abs(node) > _FLOAT_MAX
     if key == _INFINITY_MEANS_NEVER and is_plus_infinity(node):
         return node
@@ -238,6 +285,24 @@ class _YamlLoader(yaml.SafeLoader):
     written with JSON in mind, so every number in exponent notation here is a float: lr and
     sizes alike.
     """
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._values = 0  # values composed so far, aliases expanded
+        self._sizes: dict[int, int] = {}  # id(anchored node) -> its values, aliases expanded
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        # [Note: size limits]: an alias counts as the whole subtree it repeats.
+        before, alias = self._values, self.check_event(yaml.AliasEvent)
+        node = super().compose_node(parent, index)
+        if alias:
+            self._values += self._sizes.get(id(node), 1)  # a node holding itself: the walk
+        else:
+            self._values += 1
+            self._sizes[id(node)] = self._values - before
+        if self._values > _MAX_VALUES:
+            raise _TooManyValues
+        return node
 
     def construct_yaml_map(self, node: yaml.MappingNode) -> Any:
         # Explicit keys only: "<<" merge keys may legitimately be overridden.

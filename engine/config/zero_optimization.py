@@ -8,7 +8,13 @@ them), and ZenFlow, refused.
 import sys
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import _cross, _not_implemented, _show
 from .values import (
@@ -20,10 +26,17 @@ from .values import (
     OffloadDevice,
     _Block,
     _to_stage,
+    _to_whole,
     _whole,
 )
 
 __all__ = ["ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
+
+
+def _auto_or_bytes(value: Any) -> int | str:
+    if value == "auto":
+        return value
+    return _to_whole(value, minimum=1, what='"auto" or a whole number of bytes')
 
 
 class OffloadOptimizerConfig(_Block):
@@ -163,6 +176,12 @@ class ZeroConfig(_Block):
     )
     stage3_module_granularity_threshold: ElementsOrZero = Field(
         0, description="Modules below this many elements are fetched as one unit; 0 disables."
+    )
+    stage3_fetch_budget: Annotated[int | str, BeforeValidator(_auto_or_bytes)] = Field(
+        "auto",
+        description="zero's own key: bytes that stage 3's gathered parameters may take per rank; "
+        "'auto' measures the rank's free memory at initialize. Below the whole model, it sets "
+        "the unit size, prefetch, max live and reuse keys the config leaves unset.",
     )
     stage3_module_classes: tuple[str, ...] | None = Field(
         None,

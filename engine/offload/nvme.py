@@ -27,6 +27,22 @@ Every write has finished when step() returns, so a checkpoint or a kill never se
 sub-group that a later read trusts: the files belong to this run only and are never read again
 by another.
 
+[Note: swap file checksums]
+A disk that returns other bytes than were written (a failing drive, controller or cable, a
+filesystem bug, another process writing there) must never reach the weights: 16 flipped bytes
+of an Adam moment turn the step's update into 1e35. SwapStore.write records the crc32 of the
+bytes it writes (computed while the write runs, from the same buffer, which does not change
+until the write is done), and every read is checked when it is waited for, before anyone uses
+the buffer. A mismatch raises SwapCorruptionError on the rank that read it, naming the file,
+what it holds and what to do; from then on the store refuses every read and write, because the
+step that failed may have stepped some sub-groups and not others: no later step, checkpoint or
+zero.utils call may see this run's state again. The other ranks learn of it at their next
+collective with this rank: its process ends with the error, and their collective (or agreement
+check) fails at once on the closed connections. The checksums live in memory only: the files
+are never read by another run ([Note: swap directory lifetime]). Cost: one zlib.crc32 pass
+over every buffer written and read, on the training thread (docs/reliability.md has the
+measured rate); a write's pass overlaps the write itself.
+
 [Note: swap directory lifetime]
 Files live in `<nvme_path>/zero-<pid>-<time>-<random>-rank<r>/`, created fresh (mkdir fails on
 anything already there) with an `owner.json` naming host, pid and process start time. close()
@@ -48,11 +64,15 @@ import shutil
 import socket
 import time
 import weakref
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..config import AioConfig, ConfigError
+from ..errors import listed
 
 ALIGN_BYTES = 4096
 # Free space asked for beyond the files' bytes, once per directory (filesystem metadata).
@@ -73,6 +93,7 @@ class OptimizerOffload:
     bytes, queue_depth, intra_op_parallelism).
     """
 
+    nvme_path_key: ClassVar[str] = "zero_optimization.offload_optimizer.nvme_path"
     device: str
     ratio: float = 1.0
     pin_memory: bool = False
@@ -268,15 +289,66 @@ def _close_live() -> None:
         store.close()
 
 
+class SwapCorruptionError(RuntimeError):
+    """A swap file read back other bytes than were written to it (its crc32 differs): the disk
+    or filesystem under nvme_path changed it ([Note: swap file checksums]). Raised on the rank
+    that read it, before the value is used."""
+
+
+# A file's checksum is the crc32 of each of its pieces of this many bytes, computed on up to
+# torch.get_num_threads() threads (zlib releases the GIL): ~3 GB/s per core.
+_PIECE_BYTES = 4 << 20
+_crc_pools: dict[int, ThreadPoolExecutor] = {}  # by thread count (normally one)
+
+
+def _checksum(tensor: torch.Tensor) -> tuple[int, ...]:
+    """crc32 of each _PIECE_BYTES piece of a contiguous CPU tensor's bytes, in order."""
+    data = tensor.detach().view(torch.uint8).numpy()
+    pieces = [data[i : i + _PIECE_BYTES] for i in range(0, len(data), _PIECE_BYTES)] or [data]
+    threads = min(torch.get_num_threads(), len(pieces))
+    if threads <= 1:
+        return tuple(map(zlib.crc32, pieces))
+    if threads not in _crc_pools:
+        _crc_pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="zero-crc32")
+    return tuple(_crc_pools[threads].map(zlib.crc32, pieces))
+
+
+class _CheckedRead:
+    """A read in flight whose bytes are checked against the file's crc32 when waited for."""
+
+    def __init__(self, store: SwapStore, key: tuple[int, str], out: torch.Tensor, request):
+        self._store = store
+        self._key = key
+        self._out = out
+        self._request = request
+        self._error: SwapCorruptionError | None = None
+
+    def done(self) -> bool:
+        return self._request.done()
+
+    def wait(self) -> None:
+        """Finish the read. Raises OSError as Request.wait, SwapCorruptionError when the bytes
+        read differ from those written (again on every later call)."""
+        self._request.wait()
+        if self._out is not None:
+            out, self._out = self._out, None
+            self._error = self._store._verify(self._key, out)
+        if self._error is not None:
+            raise self._error
+
+
 class SwapStore:
     """The files of one rank's run: one per (bucket index, kind), read and written with
-    zero.ops.aio (asynchronous; Request.wait() finishes one). policy: any object with
-    nvme_path, pin_memory and aio (OptimizerOffload, ParamOffload)."""
+    zero.ops.aio (asynchronous; wait() finishes a request), each checked by crc32 ([Note: swap
+    file checksums]). policy: any object with nvme_path, nvme_path_key (the config key naming
+    it), pin_memory and aio (OptimizerOffload, ParamOffload)."""
 
     def __init__(self, policy: OptimizerOffload, rank: int):
         from zero.ops.aio import AsyncFileIO
 
         self.directory = SwapDirectory(policy.nvme_path, rank)
+        self.rank = rank
+        self.key = policy.nvme_path_key
         aio = policy.aio
         self.io = AsyncFileIO(
             block_size=aio.block_size,
@@ -285,6 +357,9 @@ class SwapStore:
         )
         self.pin = policy.pin_memory and torch.cuda.is_available()
         self.files: dict[tuple[int, str], object] = {}
+        self.labels: dict[tuple[int, str], str] = {}  # what each file holds, for errors
+        self.checksums: dict[tuple[int, str], tuple[tuple, int]] = {}  # (_checksum, bytes)
+        self.corrupt: SwapCorruptionError | None = None  # the first mismatch: no more I/O
         self.bytes_on_disk = 0
         self.closed = False
         self._finalizer = weakref.finalize(self, _remove_directory, self.directory.path)
@@ -294,16 +369,56 @@ class SwapStore:
         """(numel,) fp32 host buffer aligned for direct I/O (page-locked with pin_memory)."""
         return self.io.empty(numel, torch.float32, pin=self.pin)
 
-    def read(self, key: tuple[int, str], out: torch.Tensor):
-        return self.files[key].read(out)
+    def read(self, key: tuple[int, str], out: torch.Tensor) -> _CheckedRead:
+        """Start reading file `key` whole into `out` (as many bytes as were written). The
+        returned request's wait() raises SwapCorruptionError when the bytes differ; so does
+        this call once any read of the store found a difference."""
+        self._refuse_after_corruption()
+        nbytes = out.numel() * out.element_size()
+        assert self.checksums[key][1] == nbytes, (self.rank, key, nbytes, self.checksums[key])
+        return _CheckedRead(self, key, out, self.files[key].read(out))
 
-    def write(self, key: tuple[int, str], value: torch.Tensor):
+    def write(self, key: tuple[int, str], value: torch.Tensor, label: str = ""):
+        """Start writing `value` (contiguous CPU tensor, unchanged until the request is done)
+        as file `key` whole, and record its crc32. `label` says what the file holds (used in
+        errors; taken when the file is created). Returns the request."""
+        self._refuse_after_corruption()
+        nbytes = value.numel() * value.element_size()
         if key not in self.files:
             name = f"b{key[0]}.{key[1]}.swp"
-            nbytes = value.numel() * value.element_size()
             self.files[key] = self.io.open(self.directory.file(name), nbytes)
+            self.labels[key] = label or f"bucket {key[0]}'s {key[1]}"
             self.bytes_on_disk += nbytes
-        return self.files[key].write(value)
+        request = self.files[key].write(value)
+        self.checksums[key] = (_checksum(value), nbytes)  # overlaps the write
+        return request
+
+    def _verify(self, key: tuple[int, str], out: torch.Tensor) -> SwapCorruptionError | None:
+        want, nbytes = self.checksums[key]
+        got = _checksum(out)
+        if got == want:
+            return None
+        piece = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        start = piece * _PIECE_BYTES
+        end = min(start + _PIECE_BYTES, nbytes)
+        self.corrupt = SwapCorruptionError(
+            f"rank {self.rank}: swap file {self.files[key].path} is corrupt: it holds "
+            f"{self.labels[key]} ({nbytes:,} bytes), and reading back its bytes "
+            f"[{start:,}, {end:,}) gave crc32 {got[piece]:08x} where {want[piece]:08x} was "
+            "written. The disk or filesystem under {self.key} "
+            "changed the file after zero wrote it (a failing drive, controller or cable, or "
+            "another process writing there); the value was not used. Training stops: check "
+            "the drive (dmesg, smartctl), point the nvme_path at a healthy disk, and resume "
+            "from the last checkpoint (no checkpoint can hold this value: every swap read is "
+            "checked)"
+        )
+        return self.corrupt
+
+    def _refuse_after_corruption(self) -> None:
+        if self.corrupt is not None:
+            raise SwapCorruptionError(
+                f"rank {self.rank}: this run's swap files are no longer trusted: {self.corrupt}"
+            )
 
     def close(self) -> None:
         """Wait for every request, close and unlink the files, remove the directory."""
@@ -334,9 +449,23 @@ class _Slot:
         return self.buffers[kind]
 
     def wait(self) -> None:
+        """Wait for every request; then raise the first error (OSError, SwapCorruptionError)."""
         pending, self.pending = self.pending, []
+        first = None
         for request in pending:
-            request.wait()
+            try:
+                request.wait()
+            except (OSError, SwapCorruptionError) as error:
+                first = first or error
+        if first is not None:
+            raise first
+
+
+def _label(bucket, kind: str) -> str:
+    """What an optimizer swap file holds, for errors: the kind and the bucket's parameters."""
+    what = "the fp32 master weights" if kind == "master" else f"the optimizer state {kind!r}"
+    names = [slot.name for slot in bucket.layout.slots]
+    return f"{what} of bucket {bucket.layout.index} (parameters {listed(names, 4)})"
 
 
 def _is_element_state(value, master: torch.Tensor) -> bool:
@@ -411,7 +540,8 @@ class PartialOffload:
         buffer[:numel].copy_(values)
         buffer[numel:].zero_()
         key = (bucket.layout.index, "master")
-        slot.pending = [self.store.write(key, self._io_view(buffer, numel))]
+        label = _label(bucket, "master")
+        slot.pending = [self.store.write(key, self._io_view(buffer, numel), label)]
         slot.wait()
         self.kinds[bucket.layout.index] = ["master"]
         bucket.master = torch.empty(0, dtype=torch.float32)
@@ -449,7 +579,9 @@ class PartialOffload:
             if kind not in kinds:
                 kinds.append(kind)
         slot.pending = [
-            self.store.write((index, kind), self._io_view(slot.buffer(kind), numel))
+            self.store.write(
+                (index, kind), self._io_view(slot.buffer(kind), numel), _label(bucket, kind)
+            )
             for kind in kinds
         ]
 
@@ -565,9 +697,13 @@ class PartialOffload:
                 slot.wait()  # this bucket's reads
                 # grads[index] is made here with 2-byte gradients, and freed after the step
                 self._step_one(zopt, optimizer, bucket, grads[index], slot)
-        finally:
-            for slot in self.slots:
-                slot.wait()
+        except BaseException:
+            for slot in self.slots:  # nothing in flight outlives the step; the first error wins
+                with contextlib.suppress(OSError, SwapCorruptionError):
+                    slot.wait()
+            raise
+        for slot in self.slots:
+            slot.wait()
 
     def _step_one(self, zopt, optimizer, bucket, grad, slot: _Slot) -> None:
         self._bind(bucket, slot, optimizer)

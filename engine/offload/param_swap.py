@@ -28,8 +28,11 @@ all (one unit of more buckets than buffers), a temporary buffer, counted in extr
 After an optimizer step refresh_params() writes every updated shard (overlapping writes as far
 as the buffers go) and flush() waits for all of them before step() returns, so a checkpoint or
 a kill never sees a half-written shard. Read-aheads left at the end of backward are dropped
-(their values are about to change). Everything else that reads or writes a shard (zero.utils,
-GatheredParameters, checkpoints, Hugging Face import and export) does it inside resident().
+(their values are about to change). Every read is checked against the crc32 recorded when the
+shard was written ([Note: swap file checksums] in nvme.py): a shard the disk changed raises
+SwapCorruptionError in acquire(), before the all-gather sends it to any rank. Everything else
+that reads or writes a shard (zero.utils, GatheredParameters, checkpoints, Hugging Face import
+and export) does it inside resident().
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ import contextlib
 import enum
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..config import AioConfig, ConfigError
+from ..errors import listed
 from .nvme import SwapStore, check_nvme_path, padded_bytes
 
 KEY = "zero_optimization.offload_param"
@@ -55,6 +60,7 @@ class ParamOffload:
     [offload_param.*]; aio: the config's aio block.
     """
 
+    nvme_path_key: ClassVar[str] = f"{KEY}.nvme_path"
     nvme_path: str
     buffer_count: int = 5
     buffer_size: int = 100_000_000
@@ -164,12 +170,14 @@ class ParamSwap:
             return
         if self.store is None:
             self.store = SwapStore(self.policy, self.rank)
+        names = listed([slot.name for slot in bucket.layout.slots], 4)
+        label = f"the {self.dtype} parameter shard of {names}"
         shard = _Shard((len(self.shards), "param"), numel)
         self.shards[id(bucket)] = shard
         staging = self.store.io.empty(self._padded(numel), self.dtype, pin=False)
         staging[:numel].copy_(values)
         staging[numel:].zero_()
-        self.store.write(shard.key, staging).wait()
+        self.store.write(shard.key, staging, label).wait()
         bucket.param_shard = self._placeholder()
 
     def _placeholder(self) -> torch.Tensor:

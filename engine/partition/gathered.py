@@ -34,6 +34,17 @@ def register(optimizer) -> None:
             _OWNER[id(param)] = ref
 
 
+def unregister(optimizer) -> None:
+    """Forget the parameters `optimizer` lays out (Engine.close): zero.utils and
+    GatheredParameters then treat them as a plain model's, never reading a closed engine's
+    shards."""
+    for bucket in laid_out_buckets(optimizer):
+        for param in bucket.params:
+            ref = _OWNER.get(id(param))
+            if ref is not None and ref() is optimizer:
+                del _OWNER[id(param)]
+
+
 def owner(param):
     """The ZeroOptimizer that lays out `param` (trainable, or a stage-3 frozen parameter), or
     None when no live engine does (zero.utils reads shards through it)."""

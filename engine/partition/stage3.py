@@ -71,7 +71,7 @@ from torch.overrides import TorchFunctionMode
 from ..comm import Intent, describe_intent
 from .ds_params import ZeroParamStatus, describe, set_status, set_tensor
 from .init import full_numel, tensors_in
-from .shared import bucket_values, collective_failure, host_copy
+from .shared import bucket_values, check_params, collective_failure, host_copy
 
 logger = logging.getLogger("zero")
 
@@ -265,8 +265,11 @@ class ParamGatherer:
         self.busy = False  # inside our own ops: UsageGuard must not react to them
         self.buckets = []  # every bucket attached, trainable and frozen
         self._unit_of_param: dict[int, Unit] = {}
-        self._gathered_storage: dict[int, object] = {}  # buffer data_ptr -> bucket (not persistent)
+        self._gathered_storage: dict[int, object] = {}  # gathered buffer's data_ptr -> bucket
         self._hooks = []
+        # multi-grad hooks on forward graphs not yet run ([Note: graph hooks and the engine's
+        # lifetime]); weak: a graph dropped without backward takes its hook along
+        self._grad_hooks: "weakref.WeakSet" = weakref.WeakSet()
         self._guard = None  # the UsageGuard of the outermost forward under way
         self._forward_depth = 0  # module forwards under way, nested (0: none)
         self._generation_synced = None  # synced_gpus of the decoding loop running; None: none
@@ -421,9 +424,36 @@ class ParamGatherer:
         if not (unit.frozen or all(t.grad_fn is not None for t in inputs)):
             unit.untracked = True
         unit.calls += 1
-        torch.autograd.graph.register_multi_grad_hook(
-            inputs, lambda grads: self._call_done(unit), mode="all"
-        )
+        self._on_grads(inputs, lambda: self._call_done(unit), "all")
+
+    def _on_grads(self, tensors: list, callback, mode: str) -> None:
+        """Call callback() in backward once the gradients of `tensors` are computed (mode "all":
+        every one backward computes; "any": the first), then remove the hook.
+
+        [Note: graph hooks and the engine's lifetime]
+        torch keeps a multi-grad hook on the graph's nodes, and in mode "all" the hook's closure
+        holds those nodes: a reference cycle through C++ that the cycle collector frees one
+        node per collection, so the graph, and through `callback` this gatherer with every
+        bucket and shard, outlived the engine by as many collections as the model has units
+        (a leak per zero.initialize / close cycle). Each hook removes itself once it ran, and
+        close() removes those of a forward whose backward never came, so a graph the script
+        keeps (its last loss) holds nothing of the engine."""
+        handle = None
+
+        def run(grads):
+            handle.remove()
+            callback()
+
+        handle = torch.autograd.graph.register_multi_grad_hook(tensors, run, mode=mode)
+        self._grad_hooks.add(handle)
+
+    def close(self) -> None:
+        """Remove every hook this gatherer added to the model and to forward graphs
+        (Engine.close). Not a collective."""
+        for handle in [*self._hooks, *self._grad_hooks]:
+            handle.remove()
+        self._hooks.clear()
+        self._grad_hooks.clear()
 
     def _call_done(self, unit: Unit) -> None:
         unit.calls -= 1
@@ -446,9 +476,7 @@ class ParamGatherer:
             outputs = [t for t in tensors if t.requires_grad]
             inputs = _inputs_requiring_grad(args, kwargs)
             if outputs and torch.is_grad_enabled() and _has_backward(unit, inputs):
-                torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads: self.fetch(unit, "backward"), mode="any"
-                )
+                self._on_grads(outputs, lambda: self.fetch(unit, "backward"), "any")
             if _in_backward():  # a recomputation's saved tensors are about to be used
                 return output
             if self._keeps(unit):
@@ -498,6 +526,9 @@ class ParamGatherer:
             launch += self._prefetch_plan(unit, direction, launch)
         if launch and self._generation_synced is False:
             raise unsynced_generation(self.comm.rank, self.comm.world_size, launch[0])
+        with self._own_ops():  # the gathers would overwrite what the script put there
+            for bucket in (b for upcoming in launch for b in upcoming.buckets):
+                check_params(bucket, self.compute_dtype, self.comm.rank)
         if launch:
             pending = self._agree_on(tuple(u.index for u in launch))
             for upcoming in launch:
@@ -580,11 +611,11 @@ class ParamGatherer:
         if bucket.master is None and self.comm.world_size > 1:  # frozen: not in Psi
             self.comm.ledger.frozen += buffer.numel()
         bucket.param_buffer = buffer
-        if not unit.persistent:
-            self._gathered_storage[buffer.untyped_storage().data_ptr()] = bucket
+        self._gathered_storage[buffer.untyped_storage().data_ptr()] = bucket
 
     def _release_bucket(self, bucket) -> None:
         if bucket.param_buffer is not None:
+            check_params(bucket, self.compute_dtype, self.comm.rank)
             self._check_not_modified(bucket)
             self._gathered_storage.pop(bucket.param_buffer.untyped_storage().data_ptr(), None)
         placeholder = torch.empty(0, dtype=bucket.param_shard.dtype, device=self.device)
@@ -644,12 +675,15 @@ class ParamGatherer:
         bucket = self._gathered_storage.get(tensor.untyped_storage().data_ptr())
         if bucket is None or tensor.dtype != bucket.param_buffer.dtype:
             return tensor
-        return _SavedWeight(bucket, tensor.storage_offset(), tensor.shape, tensor.stride())
+        offset, shape, stride = tensor.storage_offset(), tensor.shape, tensor.stride()
+        return _SavedWeight(bucket, offset, shape, stride, bucket.generation)
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedWeight):
             return saved
         bucket = saved.bucket
+        if saved.generation != bucket.generation:
+            raise self._stale(saved)
         if bucket.param_buffer is None or bucket.pending is not None:
             unit = self.units[bucket.layout.unit]
             if bucket.param_buffer is None and unit.state is not UnitState.SHARDED:
@@ -657,6 +691,20 @@ class ParamGatherer:
                 self.release(unit, force=True)
             self.fetch(unit)
         return bucket.param_buffer.as_strided(saved.shape, saved.stride, saved.offset)
+
+    def _stale(self, saved) -> RuntimeError:
+        """The error for a weight saved before its shard was written ([Note: stale graphs] in
+        stages.py), in torch's words for a plain model, naming the parameter."""
+        slots = saved.bucket.layout.slots
+        name = next((s.name for s in slots if s.offset <= saved.offset < s.offset + s.numel), "?")
+        return RuntimeError(
+            f"rank {self.comm.rank}: one of the variables needed for gradient computation has "
+            f"been modified by an inplace operation: parameter '{name}' was updated (by "
+            "engine.step() or a checkpoint load) after the forward that saved it for this "
+            "backward. A loss computed before engine.step() cannot be backpropagated after it, "
+            "with retain_graph=True neither (torch refuses it for a plain model too); compute "
+            "the loss again after the step"
+        )
 
     def _prefetch_plan(self, unit: Unit, direction: str, launching: list) -> list:
         """The units to all-gather ahead of use after fetching `unit` (see [Note: prefetch]).
@@ -946,7 +994,7 @@ class FrozenShards:
             bucket.param_shard = full[begin:end].clone()
             if param_swap is not None:  # offload_param.device "nvme"
                 param_swap.adopt(bucket, bucket.param_shard)
-            elif offload:  # zero_optimization.offload_param: the shard lives in host memory
+            elif offload and self.device.type != "cpu":  # offload_param: the shard on the host
                 bucket.param_shard = host_copy(bucket.param_shard, pin_memory)
             self.buckets.append(bucket)
 
@@ -998,6 +1046,7 @@ class _FrozenBucket:
         self.param_buffer = None
         self.pending = None
         self.versions = []  # parameters' version counters when last gathered
+        self.generation = 0  # values written into the shard ([Note: stale graphs], stages.py)
         self.master = None
 
 
@@ -1215,6 +1264,7 @@ class _SavedWeight:
     offset: int
     shape: torch.Size
     stride: tuple
+    generation: int  # the bucket's generation when saved: a later one means stale values
 
 
 @dataclass

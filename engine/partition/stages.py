@@ -75,7 +75,7 @@ from ..comm import Communicator, Handle, Intent
 from ..optim import UNSUPPORTED_OPTIMIZERS
 from ..optim.precision import LossScaler
 from .flat import BucketLayout, FlatLayout
-from .shared import bucket_values, collective_failure, host_copy
+from .shared import bucket_values, check_params, collective_failure, host_copy
 
 # Stage-2 buckets allowed in flight before the oldest is waited for; bounds transient gradient
 # memory to a few buckets (the paper's constant-size buffers) while keeping overlap.
@@ -203,6 +203,7 @@ class Bucket:
         self.handle = Handle()
         self.pending = None  # stage 3: the all-gather of param_buffer in flight (prefetch)
         self.versions = []  # stage 3: the parameters' version counters when last gathered
+        self.generation = 0  # stage 3: values written into the shard ([Note: stale graphs])
         self.state = BucketState.FILLING
         self.arrived = [False] * len(params)
         self.num_arrived = 0
@@ -350,6 +351,8 @@ class ZeroOptimizer:
         self._accepting_grads = False
         self._reduce_this_micro_batch = False
         self._next_launch = 0
+        # "Type: message" of a backward that raised, until drop_failed_backward() recovers
+        self.failed_backward: str | None = None
         self._in_flight: deque[Bucket] = deque()
         self._names: dict[int, str] = {}
         self.offloader = None  # nvme / partial offload: engine/offload/nvme.py PartialOffload
@@ -450,15 +453,9 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             for index, param in enumerate(bucket.params):
                 handles.append(
-                    param.register_post_accumulate_grad_hook(self._make_hook(bucket, index))
+                    param.register_post_accumulate_grad_hook(_GradHook(self, bucket, index))
                 )
         return handles
-
-    def _make_hook(self, bucket: Bucket, index: int):
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(bucket, index, param)
-
-        return hook
 
     def _bind_optimizer(self) -> None:
         """Point the optimizer's param groups at this rank's master shards, keeping every
@@ -581,10 +578,39 @@ class ZeroOptimizer:
         bucket.staging = None  # stages 2-3: the full-size gradient is freed once reduced
         bucket.state = BucketState.REDUCED
 
-    def abandon_backward(self) -> None:
-        """A backward raised: stop taking gradients, issue no collective (the error may come
-        from ranks that disagree)."""
+    def abandon_backward(self, error: BaseException) -> None:
+        """A backward raised `error`: stop taking gradients, issue no collective (the error may
+        come from ranks that disagree) and remember the failure until drop_failed_backward()
+        ([Note: a failed backward])."""
         self._accepting_grads = False
+        text = " ".join(str(error).split())
+        text = text if len(text) <= 160 else text[:157] + "..."
+        self.failed_backward = f"{type(error).__name__}: {text}"
+
+    def drop_failed_backward(self) -> None:
+        """[Note: a failed backward]
+        A backward that raised part-way (an error in a custom autograd Function, out of memory,
+        a stale graph) leaves the optimizer step's gradients incomplete: some parameters' are in
+        the buckets, some buckets' reductions are launched and never waited for. Nothing can
+        tell the failed micro-batch's share from the earlier micro-batches' (stages 0-1 add
+        them in one buffer), so this drops every gradient of the step, as torch's
+        optimizer.zero_grad() after a failed backward does, once every rank agrees that it
+        launched the same reductions (then it waits for them, so the ranks' collectives stay
+        in step); otherwise every rank raises RankMismatchError and the run cannot go on.
+        Collective: every rank calls it (engine.zero_grad() or optimizer.zero_grad())."""
+        if self.comm.agreement is not None:
+            method = "engine.zero_grad() after a failed engine.backward()"
+            self.comm.agreement.enter(method, self._next_launch)
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
+        for bucket in self.buckets:
+            bucket.staging = bucket.recv = None
+            bucket.reset_arrivals()
+        self.clear_gradients()
+        self._next_launch = 0
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        self.failed_backward = None
 
     def finish_backward(self) -> None:
         """End a micro-batch's backward: launch what is left, in order, and wait for all of it.
@@ -761,16 +787,47 @@ class ZeroOptimizer:
             handle.wait()
         if self.param_swap is not None:
             self.param_swap.flush()  # every shard is in its file before step() returns
+        self._mark_updated()
         if self.gatherer is not None:
             self.gatherer.refresh_gathered()
+
+    def _mark_updated(self) -> None:
+        """[Note: stale graphs]
+        torch refuses a backward through a graph whose saved parameters an optimizer step has
+        changed since (the step's in-place update raises the parameters' version counters).
+        zero writes new values into its buffers, not through the parameters, so it raises their
+        version counters itself, and torch's own check raises in such a backward, as for a plain
+        model. At stage 3, engine(...) saves weights by reference ([Note: saved weights] in
+        stage3.py), which torch does not version-check: each trainable bucket also counts the
+        writes to its shard (generation), and a reference from before a write raises when
+        backward reads it. No device synchronization; O(number of parameters)."""
+        trained = [p for bucket in self.buckets for p in bucket.params]
+        if trained:
+            torch.autograd.graph.increment_version(trained)
+        for bucket in self.buckets:
+            bucket.generation += 1
+            # stage 3: the bump is no write of the script's (ParamGatherer._check_not_modified)
+            bucket.versions = [version + 1 for version in bucket.versions]
+
+    def check_params(self) -> None:
+        """Raise RuntimeError naming a laid-out parameter (trainable, or a stage-3 frozen one)
+        whose tensor, dtype or requires_grad changed after zero.initialize (shared.check_params:
+        [Note: parameters changed behind the engine's back]). Not a collective."""
+        buckets = self.gatherer.buckets if self.gatherer is not None else self.buckets
+        for bucket in buckets:
+            check_params(bucket, self.compute_dtype, self.comm.rank, self.trains)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Accepted for training scripts that call optimizer.zero_grad() after engine.step(), as
         with a torch optimizer. It discards nothing: zero accumulates gradients in its own
         buffers over gradient_accumulation_steps micro-batches and clears them itself once the
         optimizer step used them (clearing them between micro-batches would silently drop the
-        earlier ones). The model's parameters hold no .grad under zero."""
+        earlier ones). The model's parameters hold no .grad under zero. After a backward that
+        raised it drops the step's gradients instead (drop_failed_backward: a collective
+        then)."""
         del set_to_none
+        if self.failed_backward is not None:
+            self.drop_failed_backward()
 
     def clear_gradients(self) -> None:
         """Drop the accumulated and reduced gradients (after the optimizer step used them)."""
@@ -864,3 +921,24 @@ class ZeroOptimizer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["loss_scaler"])
+
+
+class _GradHook:
+    """The post-accumulate-grad hook a ZeroOptimizer puts on each parameter it trains: hands
+    the gradient to the parameter's bucket. A class rather than a closure, so that trained_by()
+    can tell a parameter some live engine trains."""
+
+    def __init__(self, optimizer: ZeroOptimizer, bucket: Bucket, index: int):
+        self.optimizer = optimizer
+        self.bucket = bucket
+        self.index = index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        self.optimizer._on_grad(self.bucket, self.index, param)
+
+
+def trained_by(param: torch.Tensor) -> ZeroOptimizer | None:
+    """The ZeroOptimizer whose gradient hook `param` carries: an engine that trains it and
+    was not closed (Engine.close removes the hooks); None otherwise."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    return next((h.optimizer for h in hooks.values() if isinstance(h, _GradHook)), None)

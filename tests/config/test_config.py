@@ -1101,15 +1101,21 @@ HF_AUTO_SIZES = {
 def test_auto_sizes_without_hidden_size_take_defaults_in_one_line(zero_log):
     zero = load({"zero_optimization": HF_AUTO_SIZES}).zero
     fields = type(zero).model_fields
+    fetch_keys = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters")
+    fetch_keys += ("stage3_max_reuse_distance", "stage3_module_granularity_threshold")
     auto = [k for k in HF_AUTO_SIZES if k != "stage"]
     for key in auto:
         assert getattr(zero, key) == fields[key].default, key
     assert zero.reduce_bucket_size == 500_000_000 and zero.stage3_prefetch_bucket_size == 50_000_000
-    assert len(zero_log) == 1
-    (line,) = zero_log
-    assert "no model hidden size" in line
+    # stage 3's fetch keys stay unset: the fetch policy chooses them at zero.initialize
+    assert not set(fetch_keys) & zero.model_fields_set
+    defaults, policy = zero_log
+    assert "no model hidden size" in defaults
     for key in auto:
-        assert f"zero_optimization.{key}={json.dumps(fields[key].default)}" in line
+        if key in fetch_keys:
+            assert f"zero_optimization.{key}" in policy and key not in defaults
+        else:
+            assert f"zero_optimization.{key}={json.dumps(fields[key].default)}" in defaults
 
 
 def test_auto_defaults_with_hidden_size_fill_the_rest(zero_log):
@@ -1118,9 +1124,10 @@ def test_auto_defaults_with_hidden_size_fill_the_rest(zero_log):
         auto_values={"hidden_size": 64},
     ).zero
     assert zero.reduce_bucket_size == 64 * 64
-    assert zero.stage3_max_live_parameters == 1_000_000_000
+    assert zero.stage3_max_live_parameters == 1_000_000_000  # unset: the fetch policy's
+    assert "stage3_max_live_parameters" not in zero.model_fields_set
     assert len(zero_log) == 1
-    assert "zero_optimization.stage3_max_live_parameters=1000000000" in zero_log[0]
+    assert "fetch policy" in zero_log[0] and "stage3_max_live_parameters" in zero_log[0]
     assert "reduce_bucket_size" not in zero_log[0] and "hidden size" not in zero_log[0]
 
 

@@ -1,0 +1,242 @@
+"""Stage 3's fetch settings chosen from the memory a rank may use.
+
+[Note: memory-aware fetch policy]
+Stage 3 gathers parameters per fetch unit. Four DeepSpeed keys bound how many are gathered at
+once: the unit size (stage3_module_granularity_threshold; zero's default is reduce_bucket_size,
+500M elements), stage3_prefetch_bucket_size (50M), stage3_max_live_parameters (1e9) and
+stage3_max_reuse_distance (1e9). DeepSpeed's defaults assume room to spare: for a model below
+half a billion elements they gather it whole and keep it gathered from forward into backward,
+so a rank holds the whole model in the compute dtype, the very thing stage 3 exists to avoid.
+
+At zero.initialize the engine measures the headroom of each rank (headroom_bytes: free device
+memory on CUDA; on the host the least of available memory, RLIMIT_DATA less the private memory
+in use, and the cgroup's memory.max less its usage), takes the smallest over the ranks (so every
+rank makes the same choice: the units decide the collectives), and adds back what the engine will
+free (whole parameters it partitions) less the model states it will allocate (the paper's
+formula for the stage, planning/memory.py). Half of what is left is the budget for gathered
+parameters; the other half is left for activations, gradient buckets and temporaries.
+
+- When the whole model in the compute dtype fits the budget, DeepSpeed's defaults stay: memory
+  is plentiful and gathering more at once is faster (fewer, larger collectives).
+- Otherwise the budget L (elements) becomes stage3_max_live_parameters, units hold at most L / 4
+  elements (a module larger than that is split into its children; one that cannot be split is a
+  unit of its own and L grows to hold two of them), prefetch looks L / 2 ahead and nothing is
+  kept gathered for reuse (stage3_max_reuse_distance 0): the hand-tuned settings that let
+  benchmarks/largest_model.py reach 0.85 of the paper's bound, derived from the budget.
+
+A key the config sets explicitly always wins over the policy, and the choice is logged with its
+figures. stage3_fetch_policy "defaults" turns the policy off (DeepSpeed's values as they are).
+"""
+
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+# The fraction of the budget left over (after model states) that gathered parameters may use.
+GATHERED_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class FetchSettings:
+    """Stage 3's fetch limits, in elements (see [Note: memory-aware fetch policy])."""
+
+    unit_numel: int  # a module with at most this many elements is fetched whole
+    prefetch_numel: int  # stage3_prefetch_bucket_size
+    max_live_numel: int  # stage3_max_live_parameters
+    max_reuse_numel: int  # stage3_max_reuse_distance
+    reason: str  # one sentence for the log
+
+
+def _private_bytes() -> int:
+    """VmData of this process: its private writable memory, what RLIMIT_DATA counts."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cgroup_room() -> int | None:
+    """memory.max less memory.current of this process's cgroup (v2), None without a limit."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def headroom_bytes(device: torch.device) -> tuple[int, str]:
+    """Bytes this rank may still allocate where gathered parameters live (`device`), and what
+    bounds it ("cuda free memory", "RLIMIT_DATA", "cgroup memory.max", "available host memory").
+    Not a collective."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached, "cuda free memory"
+    candidates = [(psutil.virtual_memory().available, "available host memory")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+    if soft != resource.RLIM_INFINITY and os.path.exists("/proc/self/status"):
+        candidates.append((soft - _private_bytes(), "RLIMIT_DATA"))
+    room = _cgroup_room()
+    if room is not None:
+        candidates.append((room, "cgroup memory.max"))
+    return min(candidates)
+
+
+def choose(
+    *,
+    headroom: int,
+    bound_by: str,
+    model_numel: int,
+    largest_leaf_numel: int,
+    compute_bytes: int,
+    pending_bytes: int,
+    defaults: FetchSettings,
+) -> FetchSettings:
+    """The fetch settings for a rank with `headroom` bytes (the least over the ranks) that will
+    still allocate `pending_bytes` of model states (negative: it frees more than it allocates),
+    for a model of `model_numel` elements whose largest indivisible module holds
+    `largest_leaf_numel`, gathered in `compute_bytes` per element. `defaults`: DeepSpeed's
+    values (kept when the whole model fits the budget). Pure: no memory is read here."""
+    budget = int((headroom - pending_bytes) * GATHERED_FRACTION)
+    mib = 2**20
+    figures = (
+        f"headroom {headroom / mib:,.0f} MiB ({bound_by}) less {pending_bytes / mib:,.0f} MiB of "
+        f"model states still to allocate, half for gathered parameters: {budget / mib:,.0f} MiB"
+    )
+    if model_numel * compute_bytes <= budget:
+        return FetchSettings(
+            defaults.unit_numel,
+            defaults.prefetch_numel,
+            defaults.max_live_numel,
+            defaults.max_reuse_numel,
+            f"{figures}, which holds the whole model ({model_numel * compute_bytes / mib:,.0f} "
+            "MiB): DeepSpeed's defaults",
+        )
+    live = max(budget // compute_bytes, 2 * largest_leaf_numel, 1)
+    return FetchSettings(
+        unit_numel=max(live // 4, 1),
+        prefetch_numel=live // 2,
+        max_live_numel=live,
+        max_reuse_numel=0,
+        reason=f"{figures}, less than the whole model ({model_numel * compute_bytes / mib:,.0f} "
+        f"MiB): units of at most {max(live // 4, 1):,} elements, {live // 2:,} prefetched, "
+        f"{live:,} live, no reuse",
+    )
+
+
+def _unique_params(model: torch.nn.Module) -> list:
+    return list({id(p): p for p in model.parameters()}.values())
+
+
+def largest_leaf_numel(model: torch.nn.Module) -> int:
+    """Elements of the largest set of parameters stage 3 cannot split: one module's own
+    parameters (recurse=False), counted at their full size."""
+    from ..partition.init import full_numel
+
+    return max(
+        (sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()),
+        default=0,
+    )
+
+
+def pending_bytes(model, config, trains: bool, state_bytes: int, num_shards: int, device) -> int:
+    """Bytes of model states a stage-3 engine will still allocate where gathered parameters live
+    (`device`), less what it frees: the formula's shards (planning/memory.py; the parameter
+    shards and the optimizer's categories count only where they stay on `device`: offload moves
+    them to the host, which on a CPU rank is the same memory) less the parameters' storage held
+    now (whole parameters, or zero.Init shards, which the engine's buffers replace)."""
+    from ..partition.init import full_numel, is_partitioned
+    from .memory import ModelStateSpec, model_state_formula
+
+    params = _unique_params(model)
+    trained = [p for p in params if trains and p.requires_grad]
+    frozen = [p for p in params if not (trains and p.requires_grad)]
+    compute_bytes = torch.empty(0, dtype=config.compute_dtype).element_size()
+    spec = ModelStateSpec(
+        stage=3,
+        numel=sum(full_numel(p) for p in trained),
+        num_shards=num_shards,
+        compute_bytes=compute_bytes,
+        state_bytes=state_bytes,
+        offload=config.zero.offload_optimizer is not None,
+        grad_bytes=torch.empty(0, dtype=config.grad_accum_dtype).element_size(),
+        frozen_numel=sum(full_numel(p) for p in frozen),
+    )
+    formula = {k: v or 0 for k, v in model_state_formula(spec).items()}
+    on_host = set()
+    if device.type != "cpu":
+        if config.zero.offload_param is not None:
+            on_host |= {"params", "frozen_params"}
+        if config.zero.offload_optimizer is not None:
+            on_host |= {"master", "optimizer_state", "host_grad"}
+    allocate = sum(v for k, v in formula.items() if k not in on_host)
+    held = 0
+    for p in params:
+        numel = full_numel(p) // num_shards if is_partitioned(p) else p.numel()
+        if p.device.type == device.type:
+            held += numel * p.element_size()
+    return allocate - held
+
+
+_KEYS = (
+    "stage3_module_granularity_threshold",
+    "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+)
+
+
+def fetch_settings(model, config, comm, device, trains: bool, state_bytes: int) -> FetchSettings:
+    """Stage 3's fetch settings for `model` ([Note: memory-aware fetch policy]): the policy's
+    choice for the keys the config leaves unset, the config's values for the others.
+
+    `comm`: the data-parallel Communicator; every rank gets the same settings (the least
+    headroom over the ranks decides). `device`: where gathered parameters live. Collective
+    when the config leaves any of the four keys unset and stage3_fetch_budget is "auto" (one
+    all-reduce of one element)."""
+    zero_cfg = config.zero
+    given = {key: getattr(zero_cfg, key) for key in _KEYS if key in zero_cfg.model_fields_set}
+    defaults = FetchSettings(
+        zero_cfg.stage3_module_granularity_threshold or zero_cfg.reduce_bucket_size,
+        zero_cfg.stage3_prefetch_bucket_size,
+        zero_cfg.stage3_max_live_parameters,
+        zero_cfg.stage3_max_reuse_distance,
+        "every fetch key is set in the config",
+    )
+    if len(given) == len(_KEYS):
+        return defaults
+    if zero_cfg.stage3_fetch_budget == "auto":
+        headroom, bound_by = headroom_bytes(device)
+        least = torch.tensor([-float(headroom)], dtype=torch.float64, device=device)
+        comm.all_reduce(least, op="max")  # the least headroom over the ranks
+        headroom = int(-least.item())
+        pending = pending_bytes(model, config, trains, state_bytes, comm.world_size, device)
+    else:  # the budget for gathered parameters, given: nothing measured or subtracted
+        headroom, bound_by, pending = 2 * zero_cfg.stage3_fetch_budget, "stage3_fetch_budget", 0
+    from ..partition.init import full_numel
+
+    chosen = choose(
+        headroom=headroom,
+        bound_by=bound_by,
+        model_numel=sum(full_numel(p) for p in _unique_params(model)),
+        largest_leaf_numel=largest_leaf_numel(model),
+        compute_bytes=torch.empty(0, dtype=config.compute_dtype).element_size(),
+        pending_bytes=pending,
+        defaults=defaults,
+    )
+    keep = given.get("stage3_module_granularity_threshold")
+    if keep == 0:  # set to 0 explicitly: DeepSpeed's "disabled", zero's reduce_bucket_size
+        keep = zero_cfg.reduce_bucket_size
+    return FetchSettings(
+        keep if keep is not None else chosen.unit_numel,
+        given.get("stage3_prefetch_bucket_size", chosen.prefetch_numel),
+        given.get("stage3_max_live_parameters", chosen.max_live_numel),
+        given.get("stage3_max_reuse_distance", chosen.max_reuse_numel),
+        chosen.reason + (f" (the config sets {', '.join(given)})" if given else ""),
+    )
