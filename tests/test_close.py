@@ -58,6 +58,7 @@ def cycle(template, cfg):
     loss = engine(torch.randn(2, WIDTH))
     engine.backward(loss)
     engine.step()
+    engine(torch.randn(2, WIDTH))  # a forward whose backward never comes
     engine.close()
     parts = [engine, optimizer] + ([engine.gatherer] if engine.gatherer is not None else [])
     refs = [weakref.ref(part) for part in parts]

@@ -1,11 +1,12 @@
 """API misuse on 2 ranks, at every stage and dtype: state changed behind the engine's back.
 
 Each row of CASES is a misuse, a function that commits it on every rank and returns what it got
-(the error, "ok", or a result), and the outcome expected (a pattern, by stage where stages
-differ). One spawned group of 2 ranks runs every case at stages 0-3 in fp32, bf16 and fp16 (one
-shared engine per stage and dtype, plus fresh ones where a case needs them); a new misuse is a
-new row. Each case undoes its misuse afterwards, and the shared engine must then train on: an
-error leaves the engine usable. Every rank must get the outcome, naming its own rank.
+(the error, "ok", or a result), and the outcome expected (a pattern, or a function of stage
+and dtype). One spawned group of 2 ranks runs every case at stages 0-3 in fp32, bf16 and fp16
+(two shared engines per stage and dtype, plus fresh ones where a case needs them); a new misuse
+is a new row. Each case undoes its misuse after the error, and the shared engines must train on
+once all have run: an error leaves the engine usable. Every rank must get the outcome, naming
+its own rank.
 """
 
 import functools

@@ -125,10 +125,11 @@ def read_meta(path: str) -> dict:
 # (the owned ranges), never past the tensor files it describes, which hold at least an element
 # per range and per parameter (a few bytes, times the optimizer state's kinds). A damaged or
 # hostile meta.json can be anything: 5 million keys take minutes to parse and validate. So
-# read_meta reads at most _META_BASE_BYTES (config, param groups, random states, client_state)
-# plus the bytes of the directory's .safetensors files, and refuses a larger file before
-# parsing anything (a real one is a small fraction of that bound).
-_META_BASE_BYTES = 1 << 20
+# read_meta reads at most _META_BASE_BYTES (config, param groups, random states, client_state;
+# 16 MiB of JSON parse in well under a second) plus the bytes of the directory's .safetensors
+# files, and refuses a larger file before parsing anything (a real one is a small fraction of
+# that bound).
+_META_BASE_BYTES = 16 << 20  # the writer keeps client_state to half of it
 
 
 def _meta_byte_limit(path: str) -> int:

@@ -105,6 +105,7 @@ def _check_inputs(engine, tag, client_state: Mapping):
     _check_tag(tag)
     _refuse_mid_accumulation(engine)
     _check_json(client_state, "client_state")
+    _check_json_size(client_state, "client_state")
     return _scheduler_state(engine), rank_state.encode_loader(engine)
 
 
@@ -174,6 +175,22 @@ def _check_json(value, what: str) -> None:
         f"{where} does not survive JSON unchanged; checkpoints store client_state as JSON: use "
         "numbers, strings, lists and dicts with string keys (tensor.tolist(), list(tuple))"
     )
+
+
+# The most bytes of client_state as JSON: half of what read_meta accepts beside any tensor files
+# ([Note: meta.json size bound] in reader.py), so that every checkpoint saved can be loaded.
+CLIENT_STATE_BYTES = 8 << 20
+
+
+def _check_json_size(value, what: str) -> None:
+    size = len(json.dumps(value, allow_nan=True))
+    if size > CLIENT_STATE_BYTES:
+        raise CheckpointError(
+            f"{what} takes {size:,} bytes as JSON, over the {CLIENT_STATE_BYTES >> 20} MiB a "
+            "checkpoint's meta.json keeps for it (a larger meta.json is refused on load as "
+            "damaged); write large data to a file of your own beside the checkpoint and put its "
+            "name in client_state"
+        )
 
 
 def _is_json(value) -> bool:

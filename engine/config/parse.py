@@ -50,11 +50,11 @@ def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
 # the pure-Python parsers read about 1 MiB/s (hjson) and 10,000 values/s (PyYAML), and YAML
 # aliases make a small file large (the "billion laughs": nine levels, each a list of nine
 # aliases to the one before, expand 500 bytes into 387 million values, which the checking walk
-# would copy one by one).
-# So a file is refused above _MAX_FILE_BYTES before it is read, YAML's composer counts the
-# values of the document with every alias expanded (_YamlLoader.compose_node) and stops past
-# _MAX_VALUES before anything is constructed, and the checking walk stops past _MAX_VALUES too
-# (a JSON file, or a Python mapping whose lists share one object many times over).
+# would copy one by one). So a file is refused above _MAX_FILE_BYTES before it is read, YAML's
+# composer counts the values of the document with every alias expanded
+# (_YamlLoader.compose_node) and stops past _MAX_VALUES before anything is constructed, and the
+# checking walk stops past _MAX_VALUES too (a JSON file, or a Python mapping whose lists share
+# one object many times over).
 _MAX_FILE_BYTES = 256 << 10  # ~50x the largest real config; hjson reads it in ~0.3 s
 _MAX_VALUES = 5_000  # ~25x every DeepSpeed key; PyYAML composes that many in ~0.4 s
 
@@ -90,8 +90,9 @@ def _read_text(path: Path, where: str) -> str:
                 "(a config of every DeepSpeed key is a few kilobytes); check that the path "
                 "names the config and not a data or checkpoint file."
             )
-        raw = path.read_bytes()[: _MAX_FILE_BYTES + 1]  # grown since stat: refused below
-        if len(raw) > _MAX_FILE_BYTES:
+        with path.open("rb") as handle:
+            raw = handle.read(_MAX_FILE_BYTES + 1)
+        if len(raw) > _MAX_FILE_BYTES:  # it grew since stat
             raise ConfigError(f"{where}grew past {_MAX_FILE_BYTES:,} bytes while being read.")
     except OSError as err:
         raise ConfigError(
@@ -289,7 +290,7 @@ class _YamlLoader(yaml.SafeLoader):
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
         self._values = 0  # values composed so far, aliases expanded
-        self._sizes: dict[int, int] = {}  # id(anchored node) -> its values, aliases expanded
+        self._sizes: dict[int, int] = {}  # id(node) -> its values, aliases expanded
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         # [Note: size limits]: an alias counts as the whole subtree it repeats.

@@ -39,9 +39,10 @@ step that failed may have stepped some sub-groups and not others: no later step,
 zero.utils call may see this run's state again. The other ranks learn of it at their next
 collective with this rank: its process ends with the error, and their collective (or agreement
 check) fails at once on the closed connections. The checksums live in memory only: the files
-are never read by another run ([Note: swap directory lifetime]). Cost: one zlib.crc32 pass
-over every buffer written and read, on the training thread (docs/reliability.md has the
-measured rate); a write's pass overlaps the write itself.
+are never read by another run ([Note: swap directory lifetime]). Cost: one crc32 pass (zlib,
+per 4 MiB piece, on up to torch.get_num_threads() threads) over every buffer written and read,
+about 3 GB/s per core (docs/reliability.md has the measured figures); a write's pass overlaps
+the write itself, a read's the reads started after it.
 
 [Note: swap directory lifetime]
 Files live in `<nvme_path>/zero-<pid>-<time>-<random>-rank<r>/`, created fresh (mkdir fails on
@@ -405,7 +406,7 @@ class SwapStore:
             f"rank {self.rank}: swap file {self.files[key].path} is corrupt: it holds "
             f"{self.labels[key]} ({nbytes:,} bytes), and reading back its bytes "
             f"[{start:,}, {end:,}) gave crc32 {got[piece]:08x} where {want[piece]:08x} was "
-            "written. The disk or filesystem under {self.key} "
+            f"written. The disk or filesystem under {self.key} "
             "changed the file after zero wrote it (a failing drive, controller or cable, or "
             "another process writing there); the value was not used. Training stops: check "
             "the drive (dmesg, smartctl), point the nvme_path at a healthy disk, and resume "

@@ -68,7 +68,12 @@ def check_params(bucket, dtype: torch.dtype, rank: int, trains: bool = False) ->
             held = param.numel() == 0
         else:
             held = param.data_ptr() == base + slot.offset * size
-        if not held or param.dtype != dtype or (trains and param.requires_grad != trainable):
+        # dtypes and bools are singletons: `is` keeps this loop a few attribute reads
+        if (
+            not held
+            or param.dtype is not dtype
+            or (trains and param.requires_grad is not trainable)
+        ):
             raise changed_parameter(rank, slot.name, param, dtype, trainable, trains)
 
 

@@ -269,7 +269,7 @@ class ParamGatherer:
         self._hooks = []
         # multi-grad hooks on forward graphs not yet run ([Note: graph hooks and the engine's
         # lifetime]); weak: a graph dropped without backward takes its hook along
-        self._grad_hooks: "weakref.WeakSet" = weakref.WeakSet()
+        self._grad_hooks: weakref.WeakSet = weakref.WeakSet()
         self._guard = None  # the UsageGuard of the outermost forward under way
         self._forward_depth = 0  # module forwards under way, nested (0: none)
         self._generation_synced = None  # synced_gpus of the decoding loop running; None: none
@@ -650,9 +650,14 @@ class ParamGatherer:
 
         def pack(tensor):
             saved = self._pack(tensor)
-            if saved is tensor and outer_pack is not None:
+            if saved is not tensor:
+                return saved
+            if outer_pack is not None:
                 return _OuterSaved(outer_pack(tensor))
-            return saved
+            # Not the tensor itself: an output saved by its own node would hold that node
+            # through its grad_fn, a cycle through C++ the collector never frees (the graph of
+            # a forward without backward would stay). Torch saves such outputs without grad_fn.
+            return tensor.detach()
 
         def unpack(saved):
             if isinstance(saved, _OuterSaved):

@@ -27,3 +27,12 @@ def test_a_meta_json_far_larger_than_its_tensor_files_fails_before_parsing(tmp_p
         read_meta(str(path))
     assert str(info.value).startswith(f"{path / 'meta.json'}: more than {limit:,} bytes")
     assert "load another checkpoint" in str(info.value)
+
+
+def test_a_client_state_too_large_to_load_is_refused_when_saved():
+    from zero.checkpoint.writer import CLIENT_STATE_BYTES, _check_json_size
+
+    _check_json_size({"losses": [0.5] * 1000}, "client_state")
+    with pytest.raises(CheckpointError, match="write large data to a file of your own"):
+        _check_json_size({"ids": list(range(CLIENT_STATE_BYTES // 4))}, "client_state")
+    assert CLIENT_STATE_BYTES <= _META_BASE_BYTES // 2

@@ -42,23 +42,26 @@ def test_store_checks_every_read_and_refuses_io_after_a_mismatch(tmp_path):
 
     store = SwapStore(OptimizerOffload("nvme", nvme_path=str(tmp_path)), rank=0)
     try:
-        values = store.empty(1024)
-        values.copy_(torch.arange(1024.0))
+        values = store.empty(5 << 18)  # 5 MiB: two checksummed pieces (4 MiB and 1 MiB)
+        values.copy_(torch.arange(5 << 18, dtype=torch.float32))
         store.write((0, "master"), values, "the master of bucket 0").wait()
-        store.write((1, "master"), values * 2).wait()
-        back = store.empty(1024)
+        store.write((1, "master"), values[:1024] * 2).wait()
+        back = store.empty(5 << 18)
         store.read((0, "master"), back).wait()
         assert torch.equal(back, values)
-        flip(store.files[(0, "master")].path, offset=100, count=1)
+        flip(store.files[(0, "master")].path, offset=(4 << 20) + 100, count=1)
         request = store.read((0, "master"), back)
-        named = r"b0\.master\.swp is corrupt: it holds the master of bucket 0 \(4,096 bytes\)"
+        named = (
+            r"b0\.master\.swp is corrupt: it holds the master of bucket 0 \(5,242,880 bytes\), "
+            r"and reading back its bytes \[4,194,304, 5,242,880\) gave crc32"
+        )
         for _ in range(2):  # raised again on a second wait
             with pytest.raises(SwapCorruptionError, match=named):
                 request.wait()
         with pytest.raises(SwapCorruptionError, match="no longer trusted.*b0.master.swp"):
-            store.read((1, "master"), back)  # an intact file: the run's state is not
+            store.read((1, "master"), back[:1024])  # an intact file: the run's state is not
         with pytest.raises(SwapCorruptionError, match="no longer trusted"):
-            store.write((1, "master"), values)
+            store.write((1, "master"), values[:1024])
     finally:
         store.close()
     assert glob.glob(os.path.join(tmp_path, "zero-*")) == []
