@@ -1003,7 +1003,7 @@ class Engine(torch.nn.Module):
         An engine built without an optimizer (ZeRO-Inference) loads the weights alone, from a
         training checkpoint or its own, whatever load_optimizer_states says (it has no optimizer
         state; DeepSpeed's inference engine loads the weights with load_module_only=True or
-        load_optimizer_states=False): see _load_weights_only. Without load_module_only the
+        load_optimizer_states=False): see checkpoint/weights.py. Without load_module_only the
         step counters load too.
         """
         from . import checkpoint
@@ -1026,7 +1026,8 @@ class Engine(torch.nn.Module):
             )
             return None, None
         if not self.optimizer.trains:
-            return _load_weights_only(self, load_dir, tag, load_module_strict, load_module_only)
+            weights_only = (load_dir, tag, load_module_strict, load_module_only)
+            return checkpoint.load_weights(self, *weights_only)
         return checkpoint.load(
             self,
             load_dir,
@@ -1320,88 +1321,6 @@ class ModelSnapshot:
                 before = tables.get(name, {})
                 added += [(owner, name, key) for key in getattr(owner, name) if key not in before]
         return added
-
-
-def _load_weights_only(engine, load_dir: str, tag, strict: bool, module_only: bool):
-    """Engine.load_checkpoint of an engine without an optimizer: every parameter and buffer
-    from the checkpoint's fp32 values (master weights of the trained parameters, the saved
-    frozen parameters and buffers), read one full tensor at a time (checkpoint.
-    ConsolidatedReader: any world size and stage saved it), cast to the tensor's dtype; at
-    stage 3 a rank keeps its owned part (FrozenShards.write). Every rank verifies names, shapes
-    and dtypes (CheckpointError; strict=False allows missing and unexpected names, never a
-    wrong shape) and the ranks agree before any value changes. Without `module_only` the step
-    counters load too. Returns (checkpoint directory, client_state). Collective."""
-    from .checkpoint import ConsolidatedReader
-    from .checkpoint.agreement import _on_every_rank
-    from .checkpoint.reader import read_meta
-
-    def verify():
-        verify_files = engine.config.checkpoint.verify_checksums
-        reader = ConsolidatedReader(load_dir, tag, verify=verify_files)
-        meta = read_meta(reader.path)
-        excluded = set(meta.get("excluded_frozen") or ())
-        return reader, _weights_to_load(engine, reader, strict, excluded), meta
-
-    reader, targets, meta = _on_every_rank(engine, f"verify the checkpoint in {load_dir}", verify)
-    with torch.no_grad():
-        for saved, tensor in targets:
-            value = reader.read(saved)
-            if engine.frozen is not None and engine.frozen.full_shape(tensor) is not None:
-                engine.frozen.write(tensor, value)  # stage 3: this rank's owned part
-            else:
-                tensor.copy_(value.to(tensor.dtype))
-        if engine.gatherer is not None:
-            engine.gatherer.forget_writes()  # the shards' new values replace gathered ones
-        engine.optimizer.refresh_params()  # stage 3: the persistent unit gathers them
-    if not module_only:
-        counters = meta["counters"]
-        engine.global_steps = counters["global_steps"]
-        engine.global_samples = counters["global_samples"]
-        engine.skipped_steps = counters["skipped_steps"]
-        engine.micro_steps = counters["micro_steps"]
-        logger.info(
-            "load_checkpoint: weights and step counters of %s loaded; its optimizer and lr "
-            "scheduler state are not (the engine has no optimizer)",
-            reader.path,
-        )
-    return reader.path, meta["client_state"]
-
-
-def _weights_to_load(engine, reader, strict: bool, excluded: set) -> list[tuple]:
-    """(name in the checkpoint, tensor) for each of the model's parameters and buffers, each
-    tensor once; CheckpointError listing every missing or unexpected name (with `strict`) and
-    every shape or dtype that does not fit. A frozen parameter the checkpoint left out
-    (`excluded`, its excluded_frozen: [Note: frozen parameters left out] in
-    checkpoint/format.py) keeps its value when it is frozen here too."""
-    from .checkpoint import CheckpointError
-
-    named = [*engine.module.named_parameters(remove_duplicate=False)]
-    named += [*engine.module.named_buffers(remove_duplicate=False)]
-    targets, problems = {}, []  # id(tensor) -> (name in the checkpoint, tensor)
-    for name, tensor in named:
-        saved = reader.ties.get(name, name)
-        if saved not in reader:
-            kept = name in excluded and not tensor.requires_grad
-            problems += [f"missing key '{name}'"] if strict and not kept else []
-            continue
-        frozen = engine.frozen.full_shape(tensor) if engine.frozen is not None else None
-        shape, there = tuple(tensor.shape if frozen is None else frozen), reader.dtype(saved)
-        if tuple(reader.shape(saved)) != shape:
-            problems.append(f"'{name}' is {tuple(reader.shape(saved))} there, {shape} here")
-        elif tensor.is_floating_point() != there.is_floating_point or (
-            not tensor.is_floating_point() and there != tensor.dtype
-        ):
-            problems.append(f"'{name}' is {there} there, {tensor.dtype} here")
-        targets.setdefault(id(tensor), (saved, tensor))
-    if strict:
-        names = {name for name, _ in named}
-        problems += [f"unexpected key '{n}'" for n in reader.names if n not in names]
-    if problems:
-        raise CheckpointError(
-            f"{reader.path} does not fit {type(engine.module).__name__}: {listed(problems)} "
-            "(load_module_strict=False skips missing and unexpected keys)"
-        )
-    return list(targets.values())
 
 
 def _stale_graph_error(error: BaseException, rank: int) -> RuntimeError | None:

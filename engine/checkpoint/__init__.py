@@ -14,6 +14,7 @@ only those above it in this list):
     reader.py          resolve, read_meta, GroupReader, load
     writer.py          save
     consolidation.py   ConsolidatedReader, consolidate, save_consolidated
+    weights.py         load_weights: the weights alone, into an engine without an optimizer
     safetensors_io.py  Hugging Face's safetensors layout, read in parts and written as a stream
     hf.py              load into a partitioned model, export from one (save_pretrained)
     full_state.py      the full state dict in the compute dtype, gathered bucket by bucket
@@ -27,6 +28,7 @@ from .files import file_crc32, publish_directory
 from .format import LATEST, SAFETENSORS_DTYPES, CheckpointError
 from .reader import load
 from .validation import deepspeed_checkpoint_files, deepspeed_checkpoint_message, verify_checksums
+from .weights import load_weights
 from .writer import save
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "deepspeed_checkpoint_message",
     "file_crc32",
     "load",
+    "load_weights",
     "publish_directory",
     "save",
     "save_consolidated",
