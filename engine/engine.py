@@ -61,7 +61,7 @@ from .partition.stages import (
     check_optimizer,
     trained_by,
 )
-from .planning.fetch_policy import fetch_settings
+from .planning.budget import bucket_settings, fetch_settings
 from .planning.memory import state_bytes_per_element
 
 logger = logging.getLogger("zero")
@@ -161,12 +161,15 @@ class Engine(torch.nn.Module):
         self._broadcast_module()
         self.scaler = LossScaler.from_config(config)
         units, unit_of = self._fetch_units(optimizer)
+        self.bucket_sizes = self._bucket_sizes(optimizer)
         self.optimizer = ZeroOptimizer(
             named_groups,
             optimizer,
             FlatLayout(
                 named_groups,
-                nvme.sub_group_bucket_numel(config, self._num_shards()),
+                nvme.sub_group_bucket_numel(
+                    config, self._num_shards(), self.bucket_sizes.reduce_numel
+                ),
                 self._num_shards(),
                 unit_of,
                 persistent_unit(units),
@@ -267,7 +270,7 @@ class Engine(torch.nn.Module):
     def _fetch_units(self, optimizer):
         """Stage 3: the fetch units (partition/stage3.py) and id(param) -> unit, sized by the
         fetch policy (self.fetch, [Note: memory-aware fetch policy] in
-        planning/fetch_policy.py); else none. Collective at stage 3."""
+        planning/budget.py); else none. Collective at stage 3."""
         zero_cfg = self.config.zero
         self.fetch = None
         if zero_cfg.stage != 3:
@@ -285,6 +288,19 @@ class Engine(torch.nn.Module):
             zero_cfg.stage3_param_persistence_threshold,
             zero_cfg.stage3_model_persistence_threshold,
         )
+
+    def _bucket_sizes(self, optimizer):
+        """Stages 1-2: reduce and all-gather bucket sizes, from the memory a rank may use where
+        the config leaves them unset ([Note: bucket sizes from memory] in planning/budget.py).
+        Collective at stages 1-2 with an optimizer."""
+        trains = not isinstance(optimizer, NoOptimizer)
+        state_bytes = (state_bytes_per_element(optimizer) or 8) if trains else 0
+        sizes = bucket_settings(
+            self.module, self.config, self.comm, self.accelerator.device, trains, state_bytes
+        )
+        if self.config.zero.stage in (1, 2) and trains:
+            logger.info("zero.initialize: bucket sizes: %s", sizes.reason)
+        return sizes
 
     def _num_shards(self) -> int:
         return 1 if self.config.zero.stage == 0 else self.comm.world_size
@@ -309,7 +325,7 @@ class Engine(torch.nn.Module):
         return ReduceSettings(
             stage=self.config.zero.stage,
             reduce_dtype=dtypes[comm_dtype] if comm_dtype else self.config.compute_dtype,
-            allgather_numel=self.config.zero.allgather_bucket_size,
+            allgather_numel=self.bucket_sizes.allgather_numel,
             clip=self.config.gradient_clipping,
             overflow_check=self.config.fp16.enabled
             or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow),
@@ -1043,8 +1059,12 @@ class Engine(torch.nn.Module):
         is the same call. Not a collective; idempotent.
 
         - removes every hook zero added to the model and its parameters (forward, state_dict
-          and gradient hooks), so the model no longer refers to the engine; at stage 3 the
-          load_state_dict guard stays (see below);
+          and gradient hooks) and, at stage 3, to the graphs of forwards whose backward never
+          came, so neither the model nor a loss the script keeps refers to the engine, which
+          is freed once the script drops it; at stage 3 the load_state_dict guard stays (see
+          below);
+        - unregisters the parameters, so zero.utils and zero.GatheredParameters never read
+          the closed engine's shards;
         - stage 3: releases every gathered unit but the persistent one (and units a
           zero.GatheredParameters still holds);
         - drops gradients accumulated for a step that has not come;

@@ -33,10 +33,13 @@ _FROM_HIDDEN_SIZE = {
 _AUTO_IS_NULL = ("data_types.keep_in_fp32_modules",)
 # zero's own keys whose value may be the word "auto" itself.
 _AUTO_IS_VALUE = ("zero_optimization.stage3_fetch_budget",)
-# Stage 3's fetch keys: an "auto" nothing fills is left unset, so that the fetch policy chooses
-# it from the memory a rank may use ([Note: memory-aware fetch policy] in
-# planning/fetch_policy.py), where DeepSpeed would take its default.
+# Stage 3's fetch keys and the bucket sizes: an "auto" nothing fills is left unset, so that
+# zero.initialize chooses it from the memory a rank may use (planning/budget.py: [Note:
+# memory-aware fetch policy], [Note: bucket sizes from memory]), where DeepSpeed would take its
+# default.
 _AUTO_IS_POLICY = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
     "stage3_prefetch_bucket_size",
     "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
@@ -118,8 +121,8 @@ def _resolve_auto(
         notes.append(_defaults_taken(defaulted, where))
     if to_policy:
         notes.append(
-            f'{where}"auto" entries left to stage 3\'s fetch policy (chosen from the memory '
-            f"a rank may use at zero.initialize, docs/stages.md): {', '.join(to_policy)}"
+            f'{where}"auto" entries left to zero.initialize, which chooses them from the memory '
+            f"a rank may use (docs/stages.md, Fetch policy): {', '.join(to_policy)}"
         )
     return data
 

@@ -132,12 +132,13 @@ class OptimizerOffload:
         return out
 
 
-def sub_group_bucket_numel(config, num_shards: int) -> int:
-    """The layout's bucket size in elements: reduce_bucket_size, capped with nvme so that each
-    rank's shard of a bucket (one sub-group) holds at most sub_group_size elements, and with
-    offload_param nvme at most offload_param.buffer_size elements."""
+def sub_group_bucket_numel(config, num_shards: int, reduce_numel: int | None = None) -> int:
+    """The layout's bucket size in elements: `reduce_numel` (default reduce_bucket_size),
+    capped with nvme so that each rank's shard of a bucket (one sub-group) holds at most
+    sub_group_size elements, and with offload_param nvme at most offload_param.buffer_size
+    elements."""
     zero_cfg = config.zero
-    numel = zero_cfg.reduce_bucket_size
+    numel = reduce_numel or zero_cfg.reduce_bucket_size
     block = zero_cfg.offload_optimizer
     if block is not None and block.device == "nvme":
         numel = min(numel, zero_cfg.sub_group_size * num_shards)

@@ -68,7 +68,7 @@ def test_malformed_and_truncated_files_are_refused(saved, tmp_path):
 def test_reads_under_a_data_limit_smaller_than_the_file(tmp_path):
     """A 32 MiB file read in 1 MiB pieces while this process may take only 16 MiB more private
     memory: nothing maps the file (safetensors' safe_open fails to map it here)."""
-    from zero.planning.fetch_policy import _private_bytes
+    from zero.planning.budget import _private_bytes
 
     path = tmp_path / "big.safetensors"
     save_file({"w": torch.ones(8 * 2**20)}, str(path))

@@ -1103,6 +1103,7 @@ def test_auto_sizes_without_hidden_size_take_defaults_in_one_line(zero_log):
     fields = type(zero).model_fields
     fetch_keys = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters")
     fetch_keys += ("stage3_max_reuse_distance", "stage3_module_granularity_threshold")
+    fetch_keys += ("reduce_bucket_size", "allgather_bucket_size")
     auto = [k for k in HF_AUTO_SIZES if k != "stage"]
     for key in auto:
         assert getattr(zero, key) == fields[key].default, key
@@ -1127,15 +1128,15 @@ def test_auto_defaults_with_hidden_size_fill_the_rest(zero_log):
     assert zero.stage3_max_live_parameters == 1_000_000_000  # unset: the fetch policy's
     assert "stage3_max_live_parameters" not in zero.model_fields_set
     assert len(zero_log) == 1
-    assert "fetch policy" in zero_log[0] and "stage3_max_live_parameters" in zero_log[0]
+    assert "left to zero.initialize" in zero_log[0] and "stage3_max_live_parameters" in zero_log[0]
     assert "reduce_bucket_size" not in zero_log[0] and "hidden size" not in zero_log[0]
 
 
 def test_auto_defaults_line_goes_to_notes_when_asked(zero_log):
     notes = []
-    load({"zero_optimization": {"reduce_bucket_size": "auto"}}, notes=notes)
+    load({"zero_optimization": {"sub_group_size": "auto"}}, notes=notes)
     assert zero_log == []
-    assert len(notes) == 1 and "zero_optimization.reduce_bucket_size=500000000" in notes[0]
+    assert len(notes) == 1 and "zero_optimization.sub_group_size=1000000000" in notes[0]
 
 
 def test_auto_lr_beside_auto_sizes_still_fails_naming_lr(zero_log):
@@ -1176,11 +1177,14 @@ def test_initialize_shows_the_auto_defaults_line_at_rank_0(bare_zero_logger, cap
 
     cfg = tiny_config(zero_optimization={"stage": 2, "reduce_bucket_size": "auto"})
     engine, _, _, _ = zero.initialize(model=torch.nn.Linear(3, 3), config=cfg)
-    assert engine.config.zero.reduce_bucket_size == 500_000_000
-    lines = [line for line in capsys.readouterr().err.splitlines() if '"auto"' in line]
+    assert engine.config.zero.reduce_bucket_size == 500_000_000  # unset: memory is plentiful
+    assert engine.bucket_sizes.reduce_numel == 500_000_000
+    err = capsys.readouterr().err.splitlines()
+    lines = [line for line in err if '"auto"' in line]
     assert len(lines) == 1
     assert lines[0].startswith("[zero rank 0] ")
-    assert "zero_optimization.reduce_bucket_size=500000000" in lines[0]
+    assert "left to zero.initialize" in lines[0] and "reduce_bucket_size" in lines[0]
+    assert any("bucket sizes: headroom" in line for line in err)
 
 
 def test_partition_activations_without_model_parallelism_says_so_once(zero_log):

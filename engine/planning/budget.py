@@ -1,4 +1,5 @@
-"""Stage 3's fetch settings chosen from the memory a rank may use.
+"""Settings chosen from the memory a rank may use: stage 3's fetch limits, stages 1-2's bucket
+sizes ([Note: memory-aware fetch policy], [Note: bucket sizes from memory]).
 
 [Note: memory-aware fetch policy]
 Stage 3 gathers parameters per fetch unit. Four DeepSpeed keys bound how many are gathered at
@@ -146,11 +147,12 @@ def largest_leaf_numel(model: torch.nn.Module) -> int:
 
 
 def pending_bytes(model, config, trains: bool, state_bytes: int, num_shards: int, device) -> int:
-    """Bytes of model states a stage-3 engine will still allocate where gathered parameters live
-    (`device`), less what it frees: the formula's shards (planning/memory.py; the parameter
-    shards and the optimizer's categories count only where they stay on `device`: offload moves
-    them to the host, which on a CPU rank is the same memory) less the parameters' storage held
-    now (whole parameters, or zero.Init shards, which the engine's buffers replace)."""
+    """Bytes of model states an engine will still allocate on `device` (where gathered
+    parameters and gradients live), less what it frees: the formula's per-rank bytes
+    (planning/memory.py; the parameter shards and the optimizer's categories count only where
+    they stay on `device`: offload moves them to the host, which on a CPU rank is the same
+    memory) less the parameters' storage held now (whole parameters, or zero.Init shards, which
+    the engine's buffers replace)."""
     from ..partition.init import full_numel, is_partitioned
     from .memory import ModelStateSpec, model_state_formula
 
@@ -159,7 +161,7 @@ def pending_bytes(model, config, trains: bool, state_bytes: int, num_shards: int
     frozen = [p for p in params if not (trains and p.requires_grad)]
     compute_bytes = torch.empty(0, dtype=config.compute_dtype).element_size()
     spec = ModelStateSpec(
-        stage=3,
+        stage=config.zero.stage,
         numel=sum(full_numel(p) for p in trained),
         num_shards=num_shards,
         compute_bytes=compute_bytes,
@@ -176,6 +178,9 @@ def pending_bytes(model, config, trains: bool, state_bytes: int, num_shards: int
         if config.zero.offload_optimizer is not None:
             on_host |= {"master", "optimizer_state", "host_grad"}
     allocate = sum(v for k, v in formula.items() if k not in on_host)
+    if config.zero.stage < 3:
+        on_host.discard("params")  # offload_param acts at stage 3 only
+        on_host.discard("frozen_params")
     held = 0
     for p in params:
         numel = full_numel(p) // num_shards if is_partitioned(p) else p.numel()
@@ -190,6 +195,21 @@ _KEYS = (
     "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
 )
+
+
+def _measured(model, config, comm, device, trains: bool, state_bytes: int):
+    """(headroom, what bounds it, pending bytes): the least headroom over the ranks (one
+    all-reduce; collective) and the model states this rank will still allocate, or
+    stage3_fetch_budget's given budget (twice it, nothing pending) without measuring."""
+    budget = config.zero.stage3_fetch_budget
+    if config.zero.stage == 3 and budget != "auto":
+        return 2 * budget, "stage3_fetch_budget", 0
+    headroom, bound_by = headroom_bytes(device)
+    least = torch.tensor([-float(headroom)], dtype=torch.float64, device=device)
+    comm.all_reduce(least, op="max")  # the least headroom over the ranks
+    num_shards = comm.world_size if config.zero.stage else 1
+    pending = pending_bytes(model, config, trains, state_bytes, num_shards, device)
+    return int(-least.item()), bound_by, pending
 
 
 def fetch_settings(model, config, comm, device, trains: bool, state_bytes: int) -> FetchSettings:
@@ -211,14 +231,7 @@ def fetch_settings(model, config, comm, device, trains: bool, state_bytes: int) 
     )
     if len(given) == len(_KEYS):
         return defaults
-    if zero_cfg.stage3_fetch_budget == "auto":
-        headroom, bound_by = headroom_bytes(device)
-        least = torch.tensor([-float(headroom)], dtype=torch.float64, device=device)
-        comm.all_reduce(least, op="max")  # the least headroom over the ranks
-        headroom = int(-least.item())
-        pending = pending_bytes(model, config, trains, state_bytes, comm.world_size, device)
-    else:  # the budget for gathered parameters, given: nothing measured or subtracted
-        headroom, bound_by, pending = 2 * zero_cfg.stage3_fetch_budget, "stage3_fetch_budget", 0
+    headroom, bound_by, pending = _measured(model, config, comm, device, trains, state_bytes)
     from ..partition.init import full_numel
 
     chosen = choose(
@@ -239,4 +252,91 @@ def fetch_settings(model, config, comm, device, trains: bool, state_bytes: int) 
         given.get("stage3_max_live_parameters", chosen.max_live_numel),
         given.get("stage3_max_reuse_distance", chosen.max_reuse_numel),
         chosen.reason + (f" (the config sets {', '.join(given)})" if given else ""),
+    )
+
+
+# [Note: bucket sizes from memory]
+# At stages 1-2 the layout's buckets are reduce_bucket_size elements (DeepSpeed's default, 5e8)
+# and backward fills a bucket's gradient staging buffer before it is reduce-scattered, with a
+# few buckets in flight: for a model below half a billion elements one bucket is the whole
+# gradient, which stage 2 exists not to hold. When the config leaves reduce_bucket_size (and
+# allgather_bucket_size) unset, bucket_settings keeps DeepSpeed's values if STAGING_BUCKETS
+# copies of the whole gradient fit half the budget (measured as for stage 3), else makes the
+# buckets as large as STAGING_BUCKETS of them fit, at least MIN_BUCKET_NUMEL elements.
+STAGING_BUCKETS = 4
+MIN_BUCKET_NUMEL = 1 << 16
+
+
+@dataclass(frozen=True)
+class BucketSettings:
+    """Stages 1-2's bucket sizes in elements ([Note: bucket sizes from memory])."""
+
+    reduce_numel: int  # reduce_bucket_size: the layout's buckets
+    allgather_numel: int  # allgather_bucket_size: the updated parameters' all-gather
+    reason: str
+
+
+def choose_buckets(
+    *,
+    headroom: int,
+    bound_by: str,
+    model_numel: int,
+    grad_bytes: int,
+    pending_bytes: int,
+    defaults: BucketSettings,
+) -> BucketSettings:
+    """Bucket sizes for a rank with `headroom` bytes (the least over the ranks) that will
+    still allocate `pending_bytes` of model states, training `model_numel` elements with
+    gradients of `grad_bytes` each; `defaults` kept when the whole gradient fits. Pure."""
+    budget = int((headroom - pending_bytes) * GATHERED_FRACTION)
+    mib = 2**20
+    figures = (
+        f"headroom {headroom / mib:,.0f} MiB ({bound_by}) less {pending_bytes / mib:,.0f} MiB of "
+        f"model states still to allocate, half for gradient buckets: {budget / mib:,.0f} MiB"
+    )
+    whole = STAGING_BUCKETS * model_numel * grad_bytes
+    if whole <= budget:
+        return BucketSettings(
+            defaults.reduce_numel,
+            defaults.allgather_numel,
+            f"{figures}, which holds {STAGING_BUCKETS} whole gradients: DeepSpeed's defaults",
+        )
+    numel = max(budget // (STAGING_BUCKETS * grad_bytes), MIN_BUCKET_NUMEL)
+    reduce_numel = min(numel, defaults.reduce_numel)
+    allgather_numel = min(numel, defaults.allgather_numel)
+    return BucketSettings(
+        reduce_numel,
+        allgather_numel,
+        f"{figures}, less than {STAGING_BUCKETS} whole gradients ({whole / mib:,.0f} MiB): "
+        f"buckets of {reduce_numel:,} elements",
+    )
+
+
+def bucket_settings(model, config, comm, device, trains: bool, state_bytes: int) -> BucketSettings:
+    """Stages 1-2's bucket sizes ([Note: bucket sizes from memory]); the config's values where
+    it sets the keys, and at other stages or without an optimizer. Collective when the policy
+    measures (one all-reduce of one element)."""
+    from ..partition.init import full_numel
+
+    zero_cfg = config.zero
+    defaults = BucketSettings(
+        zero_cfg.reduce_bucket_size, zero_cfg.allgather_bucket_size, "set in the config"
+    )
+    keys = {"reduce_bucket_size", "allgather_bucket_size"}
+    if zero_cfg.stage not in (1, 2) or not trains or keys <= zero_cfg.model_fields_set:
+        return defaults
+    headroom, bound_by, pending = _measured(model, config, comm, device, trains, state_bytes)
+    chosen = choose_buckets(
+        headroom=headroom,
+        bound_by=bound_by,
+        model_numel=sum(full_numel(p) for p in _unique_params(model) if p.requires_grad),
+        grad_bytes=torch.empty(0, dtype=config.grad_accum_dtype).element_size(),
+        pending_bytes=pending,
+        defaults=defaults,
+    )
+    given = keys & zero_cfg.model_fields_set
+    return BucketSettings(
+        defaults.reduce_numel if "reduce_bucket_size" in given else chosen.reduce_numel,
+        defaults.allgather_numel if "allgather_bucket_size" in given else chosen.allgather_numel,
+        chosen.reason + (f" (the config sets {', '.join(sorted(given))})" if given else ""),
     )
