@@ -18,9 +18,10 @@ Then each consolidation runs alone in a fresh process, measured from outside it:
   what the consolidation itself costs.
 Contestants: zero's `zero-to-fp32 CKPT OUT.safetensors`, its library writer
 `zero.checkpoint.write_consolidated` where that exists (else save_consolidated(consolidate())),
-DeepSpeed's convert_zero_checkpoint_to_fp32_state_dict through its `zero_to_fp32` command with
---safe_serialization. The bound zero aims at is printed beside them: 1.5 x the largest tensor
-plus 64 MiB above the import baseline.
+DeepSpeed's convert_zero_checkpoint_to_fp32_state_dict through its `zero_to_fp32` command (its
+default pickled output: --safe_serialization refuses the GPT's tied weights). The bound zero
+aims at is printed beside them: 1.5 x the largest tensor plus 64 MiB above the import baseline.
+DeepSpeed's first run on a machine builds its CPU ops (minutes); later runs reuse them.
 
 The parent prints a markdown table (the figures land in docs/performance.md). A measurement,
 not a test: nothing here asserts on memory.
@@ -105,7 +106,10 @@ def zero_rank(rank: int, args, port: int, root: str) -> None:
         with PeakMemory(args.sample_ms / 1000) as peak:
             engine.save_pretrained(os.path.join(root, "pretrained"))
         if rank == 0:
-            figures = {"save_pretrained_rss": peak.extra_rss, "save_pretrained_anon": peak.extra_anon}
+            figures = {
+                "save_pretrained_rss": peak.extra_rss,
+                "save_pretrained_anon": peak.extra_anon,
+            }
             Path(root, "save_pretrained.json").write_text(json.dumps(figures))
         dist.barrier()
     finally:
@@ -214,10 +218,12 @@ def zero_contestants(root: str) -> dict[str, tuple[list[str], list[str]]]:
 
 
 def deepspeed_contestant(root: str) -> dict[str, tuple[list[str], list[str]]]:
+    """DeepSpeed's command with its default output (torch.save of pytorch_model.bin):
+    --safe_serialization refuses the GPT's tied lm_head (safetensors' shared-tensor check)."""
     out = os.path.join(root, "out", "deepspeed")
     command = [sys.executable, "-m", "deepspeed.utils.zero_to_fp32"]
-    command += [os.path.join(root, "deepspeed"), out, "--safe_serialization"]
-    return {"DeepSpeed zero_to_fp32 --safe_serialization": (command, python(_DS_IMPORTS))}
+    command += [os.path.join(root, "deepspeed"), out]
+    return {"DeepSpeed zero_to_fp32 (its command)": (command, python(_DS_IMPORTS))}
 
 
 _DS_IMPORTS = "import torch, deepspeed, deepspeed.utils.zero_to_fp32"
@@ -259,7 +265,9 @@ def print_report(args, sizes: dict, figures: dict, save_pretrained: dict, skippe
         f"{mib(model)} MiB fp32; largest tensor {mib(largest)} MiB; stage 3 on "
         f"{args.world_size} ranks, AdamW, one step; torch {torch.__version__}"
     )
-    print(f"bound zero aims at above the import baseline: 1.5 x largest + 64 MiB = {mib(bound)} MiB")
+    print(
+        f"bound zero aims at above the import baseline: 1.5 x largest + 64 MiB = {mib(bound)} MiB"
+    )
     if skipped:
         print(f"DeepSpeed: {skipped}")
     print()

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -240,6 +241,7 @@ def worker(rank: int, mode: str, directory: str, world_size: int, cap, args, por
                 row["losses"] = train(model, args.train_steps, args.lora)
             row["train"] = {k: training.peaks[k] - baseline[k] for k in FIELDS}
     except (MemoryError, RuntimeError) as error:
+        traceback.print_exc()
         row["result"] = f"failed: {type(error).__name__}: {str(error)[:60]}"
     results.put(row)
     if world_size > 1:

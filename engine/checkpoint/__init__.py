@@ -13,17 +13,23 @@ only those above it in this list):
     rank_state.py      each rank's own state: random number generators, data loader
     reader.py          resolve, read_meta, GroupReader, load
     writer.py          save
-    consolidation.py   ConsolidatedReader, consolidate, save_consolidated
-    weights.py         load_weights: the weights alone, into an engine without an optimizer
     safetensors_io.py  Hugging Face's safetensors layout, read in parts and written as a stream
-    hf.py              load into a partitioned model, export from one (save_pretrained)
-    full_state.py      the full state dict in the compute dtype, gathered bucket by bucket
+    consolidation.py   ConsolidatedReader, consolidate, write_consolidated, save_consolidated
+    weights.py         load_weights: the weights alone, into an engine without an optimizer
+    full_state.py      the full state dict in the compute dtype, gathered tensor by tensor
                        (DeepSpeed's _zero3_consolidated_16bit_state_dict)
+    hf.py              load into a partitioned model, export from one (save_pretrained)
     zero_to_fp32.py    the zero-to-fp32 CLI and DeepSpeed's zero_to_fp32 functions
 May import: zero.partition and everything below it.
 """
 
-from .consolidation import ConsolidatedReader, consolidate, consolidated_names, save_consolidated
+from .consolidation import (
+    ConsolidatedReader,
+    consolidate,
+    consolidated_names,
+    save_consolidated,
+    write_consolidated,
+)
 from .files import file_crc32, publish_directory
 from .format import LATEST, SAFETENSORS_DTYPES, CheckpointError
 from .reader import load
@@ -47,4 +53,5 @@ __all__ = [
     "save",
     "save_consolidated",
     "verify_checksums",
+    "write_consolidated",
 ]

@@ -1,8 +1,8 @@
 """Checkpoint files on disk: created afresh, fsynced, checksummed, published by renames.
 
-Owns: writing a checkpoint's files and the consolidated ones (their safetensors files all go
-through save_file here), their crc32, publishing a finished directory, and removing what
-interrupted saves left behind.
+Owns: writing a checkpoint's files (their safetensors files all go through save_file here;
+consolidated and Hugging Face files through safetensors_io.ShardedWriter), their crc32,
+publishing a finished directory, and removing what interrupted saves left behind.
 
 [Note: crash-safe publication]
 Ranks write into `<tag>.tmp/` (created afresh by rank 0; nothing is written through a symbolic
@@ -67,14 +67,6 @@ def _write_shard(tensors: dict, path: str, metadata: dict | None = None) -> tupl
         os.close(fd)
 
 
-def _save_safetensors(tensors: dict, path: str) -> None:
-    """Write a consolidated output file (a path the user chose; an existing file is replaced)."""
-    save_file(tensors, path)
-    os.chmod(path, 0o666 & ~_umask())
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
 def _crc32(fd: int) -> str:
     """crc32 (zlib.crc32, the CRC-32 of zip and gzip) of the file open as `fd`, 8 hex digits."""
     crc, buffer = 0, bytearray(_CHUNK_BYTES)
@@ -96,13 +88,6 @@ def file_crc32(path: str) -> str:
 
 def _create_json(path: str, value) -> None:
     with os.fdopen(_create(path), "w") as handle:
-        json.dump(value, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _write_json(path: str, value) -> None:
-    with open(path, "w") as handle:
         json.dump(value, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())

@@ -1,4 +1,4 @@
-"""The model's full state dict in the compute dtype, gathered one bucket at a time.
+"""The model's full state dict in the compute dtype, gathered one tensor at a time.
 
 Owns: full_state_dict, the body of Engine._zero3_consolidated_16bit_state_dict (DeepSpeed's
 name; accelerate's get_state_dict and the Hugging Face Trainer's save_model call it to save a
@@ -7,13 +7,14 @@ stage-3 model).
 [Note: streamed 16-bit state dict]
 The values are the low-precision parameters forward uses (compute dtype), not the fp32 master
 weights (save_pretrained writes those). At stage 3 each laid-out bucket, trainable or frozen,
-is all-gathered from the ranks' parameter shards into one device buffer, rank 0 copies its
-parameters to the host, and the buffer is dropped before the next bucket: a rank's device holds
-one bucket beyond its shards, never the model, and rank 0's host holds the result, the model
-once. Units are not gathered through the ParamGatherer, so no unit changes state and the
-prefetch order is untouched. At stages 0-2 every rank holds the full parameters already, and
-rank 0 copies them. Keys are those of module.state_dict() (tied names included, sharing one
-tensor as there), taken with keep_vars=True before any value is read.
+is visited in turn and each of its parameters assembled on rank 0 from the ranks' parameter
+shards (slot_value: every owner broadcasts its part), copied to the host, and dropped before
+the next: a rank's device holds one parameter beyond its shards, never a bucket nor the model,
+and rank 0's host holds the result, the model once. Units are not gathered through the
+ParamGatherer, so no unit changes state and the prefetch order is untouched. At stages 0-2
+every rank holds the full parameters already, and rank 0 copies them. Keys are those of
+module.state_dict() (tied names included, sharing one tensor as there), taken with
+keep_vars=True before any value is read.
 """
 
 from collections import OrderedDict
@@ -44,7 +45,7 @@ def full_state_dict(engine, entries: dict, exclude_frozen: bool) -> "OrderedDict
         wanted_ids = {id(value) for value in wanted.values() if torch.is_tensor(value)}
         for bucket in laid_out_buckets(engine.optimizer):
             if any(id(param) in wanted_ids for param in bucket.params):
-                copies.update(_gathered_bucket(engine, bucket, rank0))
+                copies.update(_gathered_bucket(engine, bucket, rank0, wanted_ids))
     if not rank0:
         return None
     state = OrderedDict()
@@ -57,21 +58,47 @@ def full_state_dict(engine, entries: dict, exclude_frozen: bool) -> "OrderedDict
     return state
 
 
-def _gathered_bucket(engine, bucket, rank0: bool) -> dict[int, torch.Tensor]:
-    """id(param) -> the parameter's full value on the host, on rank 0 (empty elsewhere), from
-    one all-gather of the bucket's parameter shards. Collective."""
+def _gathered_bucket(engine, bucket, rank0: bool, wanted_ids: set) -> dict[int, torch.Tensor]:
+    """id(param) -> the parameter's full value on the host, on rank 0 (empty elsewhere), for
+    the bucket's parameters in `wanted_ids`, assembled one at a time (slot_value).
+    Collective."""
+    out = {}
     with engine.optimizer.param_resident(bucket):  # nvme: the shard is read from its file
-        shard = bucket.param_shard.to(engine.device)  # offload_param: from host memory
-        if bucket.layout.num_shards == 1:
-            full = shard
+        for slot, param in zip(bucket.layout.slots, bucket.params):
+            if id(param) in wanted_ids:
+                value = slot_value(
+                    engine, bucket.layout, bucket.param_shard, slot.offset, slot.numel
+                )
+                if rank0:
+                    out[id(param)] = value.view(slot.shape).to("cpu", copy=True)
+    return out
+
+
+def slot_value(engine, layout, source, offset: int, numel: int) -> "torch.Tensor | None":
+    """Elements [offset, offset + numel) of a laid-out bucket, 1-D on engine.device, on rank 0
+    (None elsewhere); `source` is this rank's shard of the bucket (its master or parameter
+    shard, on the host or the device). Every owner of a part broadcasts it and rank 0 receives
+    it in place, so rank 0 holds the tensor and nothing more; the other ranks at most one part.
+    Collective: every rank of engine.comm calls it with the same offset and numel. With one
+    shard (stage 0, one rank) rank 0 gets a view of `source`."""
+    comm = engine.comm
+    if layout.num_shards == 1:
+        return source[offset : offset + numel] if comm.rank == 0 else None
+    full = None
+    if comm.rank == 0:
+        full = torch.empty(numel, dtype=source.dtype, device=engine.device)
+    size = layout.shard_numel
+    owners = range(offset // size, (offset + numel - 1) // size + 1) if numel else ()
+    for owner in owners:
+        lo = layout.owned_range(owner)[0]
+        a, b = max(lo, offset), min(lo + size, offset + numel)
+        if comm.rank == owner:
+            part = source[a - lo : b - lo].to(engine.device)  # offload: from host memory
+        elif comm.rank == 0:
+            part = full[a - offset : b - offset]
         else:
-            full = torch.empty(bucket.layout.padded_numel, dtype=shard.dtype, device=engine.device)
-            engine.comm.all_gather(full, shard)
-        if not rank0:
-            return {}
-        return {
-            id(param): full[slot.offset : slot.offset + slot.numel]
-            .view(slot.shape)
-            .to("cpu", copy=True)
-            for slot, param in zip(bucket.layout.slots, bucket.params)
-        }
+            part = torch.empty(b - a, dtype=source.dtype, device=engine.device)
+        comm.broadcast(part, src=owner)
+        if comm.rank == 0 and owner == 0:
+            full[a - offset : b - offset].copy_(part)
+    return full

@@ -27,14 +27,17 @@ more), so a rank holds at most one tensor (under stage 3 or zero.Init one part) 
 
 [Note: export]
 save_pretrained writes what training produced: the fp32 master weights (cast to `dtype` when
-given), all-gathered one bucket at a time (a bucket never spans two stage-3 units; stages 1-2
-hold master slices too), then frozen parameters and persistent buffers. Rank 0 streams each
-bucket's tensors into safetensors files whose headers it wrote first, since the layout gives
-every name, shape and dtype up front: rank 0 holds one bucket, never a whole shard of
-max_shard_size nor the whole model.
+given), then frozen parameters and persistent buffers. A laid-out tensor's elements lie in the
+shards of one or more ranks (stages 1-3; at stage 0 every rank holds them all): each owner
+broadcasts its part, which rank 0 receives straight into the tensor, writes, and drops before
+the next tensor. Rank 0 streams the tensors into safetensors files whose headers it wrote first,
+since the layout gives every name, shape and dtype up front: it holds one tensor (and its cast
+to `dtype`), never a bucket, a whole shard of max_shard_size nor the model. The traffic is an
+all-gather's (every rank receives every part), in one broadcast per tensor and owner.
 """
 
 import copy
+import math
 import os
 import re
 import shutil
@@ -52,6 +55,7 @@ from ..progress import progress
 from .consolidation import ConsolidatedReader
 from .files import publish_directory
 from .format import CheckpointError
+from .full_state import slot_value
 from .safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,
@@ -418,25 +422,21 @@ def _export_pieces(engine, skip: set) -> list[_Piece]:
 
 
 def _piece_values(engine, piece: _Piece):
-    """(name, value) of a piece's tensors on rank 0 (an empty list elsewhere). All-gathers a
-    bucket's shards (collective)."""
+    """Yields (name, value) of a piece's tensors one at a time on rank 0 (nothing elsewhere);
+    a value is valid until the next one is asked for. A bucket's tensors are assembled from the
+    owners' shards ([Note: export]): collective, every rank iterates to the end."""
+    rank0 = engine.comm.rank == 0
     if piece.tensor is not None:
-        return [(piece.entries[0][0], piece.tensor)] if engine.comm.rank == 0 else []
+        if rank0:
+            yield piece.entries[0][0], piece.tensor
+        return
     bucket = piece.bucket
     with engine.optimizer.resident(bucket):  # nvme: master or shard read from its file
         source = bucket.master if bucket.master is not None else bucket.param_shard
-        source = source.to(engine.device, copy=True)
-    if bucket.layout.num_shards == 1:
-        full = source
-    else:
-        full = torch.empty(bucket.layout.padded_numel, dtype=source.dtype, device=engine.device)
-        engine.comm.all_gather(full, source)
-    if engine.comm.rank != 0:
-        return []
-    return [
-        (name, full[offset : offset + torch.Size(shape).numel()].view(shape))
-        for name, shape, _, offset in piece.entries
-    ]
+        for name, shape, _, offset in piece.entries:
+            value = slot_value(engine, bucket.layout, source, offset, math.prod(shape))
+            if rank0:
+                yield name, value.view(shape)
 
 
 def save_pretrained(engine, save_dir, max_shard_size="5GB", dtype=None) -> str:

@@ -92,7 +92,9 @@ def read_meta(path: str) -> dict:
     try:
         limit = _meta_byte_limit(path)
         with open(meta_path, "rb") as handle:
-            raw = handle.read(limit + 1)  # no more: [Note: meta.json size bound]
+            # [Note: meta.json size bound]; no more than the file holds either, since read(n)
+            # allocates n bytes first (the bound grows with the checkpoint's tensor files).
+            raw = handle.read(min(os.fstat(handle.fileno()).st_size, limit) + 1)
         if len(raw) > limit:
             raise CheckpointError(_meta_too_large(meta_path, limit))
         text = raw.decode("utf-8")

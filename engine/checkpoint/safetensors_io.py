@@ -178,20 +178,31 @@ class SafetensorsReader:
     def shape(self, key: str) -> tuple:
         return self._header(self.file_of[key])[key][1]
 
+    def dtype(self, key: str) -> torch.dtype:
+        return self._header(self.file_of[key])[key][0]
+
     def read(self, key: str, begin: int, end: int) -> torch.Tensor:
         """Elements [begin, end) of the flattened tensor `key`: (end - begin,) in the file's
         dtype, on the host, read from the file and nothing around them."""
+        value = torch.empty(end - begin, dtype=self.dtype(key))
+        self.read_into(key, begin, value)
+        return value
+
+    def read_into(self, key: str, begin: int, out: torch.Tensor) -> None:
+        """Elements [begin, begin + out.numel()) of the flattened tensor `key` straight into
+        `out` (1-D, contiguous, on the host, of the file's dtype; a slice of a larger tensor
+        works): no buffer in between. Raises CheckpointError for a file that ends early."""
         file = self.file_of[key]
         data_start = self._headers[file][0]
         dtype, _, offset, _ = self._header(file)[key]
-        value = torch.empty(end - begin, dtype=dtype)
-        size = value.numel() * dtype.itemsize
+        assert out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu", out
+        size = out.numel() * dtype.itemsize
         if size:
             if file not in self._files:
                 self._files[file] = open(file, "rb", buffering=0)  # noqa: SIM115 (closed by close())
             handle = self._files[file]
             handle.seek(data_start + offset + begin * dtype.itemsize)
-            view, done = memoryview(value.view(torch.uint8).numpy()), 0
+            view, done = memoryview(out.view(torch.uint8).numpy()), 0
             while done < size:
                 count = handle.readinto(view[done:])
                 if not count:
@@ -199,7 +210,6 @@ class SafetensorsReader:
                 done += count
         self.bytes_read += size
         self.largest_read = max(self.largest_read, size)
-        return value
 
     def close(self) -> None:
         for handle in self._files.values():
@@ -208,17 +218,30 @@ class SafetensorsReader:
 
 
 class ShardedWriter:
-    """Writes tensors, in the order of `entries` ([(name, shape, dtype)]), into HF-style
-    safetensors files of at most `max_shard_bytes` each (a larger tensor gets a file of its own):
-    model.safetensors when one file holds everything, else model-0000i-of-0000n.safetensors and
-    model.safetensors.index.json, in `directory`.
+    """Writes tensors, in the order of `entries` ([(name, shape, dtype)]), into safetensors
+    files of at most `max_shard_bytes` each (a larger tensor gets a file of its own; None: one
+    file), in `directory`: `file_name` when one file holds everything, else
+    <stem>-0000i-of-0000n.safetensors (stem: file_name without .safetensors) and `index_name`
+    ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}). The defaults are Hugging
+    Face's names: model.safetensors, model-0000i-of-0000n.safetensors,
+    model.safetensors.index.json. Every writer of safetensors outside a checkpoint's own files
+    is this one: save_pretrained, zero-to-fp32, save_consolidated.
 
-    write(name, value) takes the next entry's value (any device; cast to the entry's dtype);
-    close() finishes and returns the file names written. Raises ValueError for a value out of
-    order or of the wrong shape, NotImplementedError for a dtype safetensors has no name for.
+    write(name, value) takes the next entry's value (any device; cast to the entry's dtype) and
+    writes its bytes at once, so the writer holds no tensor and the caller holds one at a time;
+    close() finishes and returns the file names written (index last). Raises ValueError for a
+    value out of order or of the wrong shape, NotImplementedError for a dtype safetensors has no
+    name for.
     """
 
-    def __init__(self, directory: str, entries: list, max_shard_bytes: int):
+    def __init__(
+        self,
+        directory: str,
+        entries: list,
+        max_shard_bytes: int | None,
+        file_name: str = SINGLE_FILE,
+        index_name: str | None = None,
+    ):
         if sys.byteorder != "little":
             raise NotImplementedError("writing safetensors on a big-endian host")
         for name, _, dtype in entries:
@@ -227,7 +250,9 @@ class ShardedWriter:
         self.directory = directory
         self.groups = _split(entries, max_shard_bytes)
         n = len(self.groups)
-        self.names = [SINGLE_FILE] if n == 1 else [_shard_name(i, n) for i in range(n)]
+        stem = file_name.removesuffix(".safetensors")
+        self.names = [file_name] if n == 1 else [_shard_name(stem, i, n) for i in range(n)]
+        self.index_name = index_name or f"{file_name}.index.json"
         self._queue = [(i, e) for i, group in enumerate(self.groups) for e in group]
         self._next = 0
         self._open_index = -1
@@ -256,12 +281,12 @@ class ShardedWriter:
             total = sum(_nbytes(e) for group in self.groups for e in group)
             weight_map = dict(sorted(weight_map.items()))
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            path = os.path.join(self.directory, INDEX_FILE)
+            path = os.path.join(self.directory, self.index_name)
             with open(path, "w") as handle:
                 json.dump(index, handle, indent=2)
                 handle.flush()
                 os.fsync(handle.fileno())
-            return [*self.names, INDEX_FILE]
+            return [*self.names, self.index_name]
         return list(self.names)
 
     def _open_until(self, index: int) -> None:
@@ -286,12 +311,13 @@ def _nbytes(entry) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def _split(entries: list, max_bytes: int) -> list[list]:
-    """Consecutive groups of at most max_bytes (a larger entry alone); at least one group."""
+def _split(entries: list, max_bytes: int | None) -> list[list]:
+    """Consecutive groups of at most max_bytes (a larger entry alone; None: one group); at
+    least one group."""
     groups, size = [[]], 0
     for entry in entries:
         nbytes = _nbytes(entry)
-        if groups[-1] and size + nbytes > max_bytes:
+        if groups[-1] and max_bytes is not None and size + nbytes > max_bytes:
             groups.append([])
             size = 0
         groups[-1].append(entry)
@@ -299,8 +325,8 @@ def _split(entries: list, max_bytes: int) -> list[list]:
     return groups
 
 
-def _shard_name(i: int, n: int) -> str:
-    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+def _shard_name(stem: str, i: int, n: int) -> str:
+    return f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
 def _header(entries: list) -> bytes:

@@ -4,6 +4,8 @@
     zero-to-fp32 CHECKPOINT_DIR OUTPUT_DIR --hf [--config-from MODEL_DIR] [--dtype bf16]
 
 Runs in one process on any machine; the world size the checkpoint was saved with does not matter.
+It reads and writes one tensor at a time (zero.checkpoint.write_consolidated), so it holds at
+most about 1.5x the largest tensor beside the interpreter, never the model.
 
 As a module it is also DeepSpeed's deepspeed.utils.zero_to_fp32 (importable as
 zero.utils.zero_to_fp32): get_fp32_state_dict_from_zero_checkpoint,
@@ -18,21 +20,16 @@ buffers, and the tensors are streamed one at a time. Needs transformers.
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import sys
 
 from ..errors import listed
-from ..progress import progress
-from .consolidation import (
-    ConsolidatedReader,
-    consolidate,
-    consolidated_names,
-    save_consolidated,
-)
+from .consolidation import ConsolidatedReader, _stream, consolidate, consolidated_names
 from .format import CheckpointError
 from .hf import _non_persistent_buffers, checkpoint_to_pretrained
-from .safetensors_io import ShardedWriter, parse_size
+from .safetensors_io import INDEX_FILE, SINGLE_FILE, parse_size
 
 logger = logging.getLogger("zero")
 
@@ -195,12 +192,10 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
     zero writes safetensors only: safe_serialization=False (DeepSpeed's default, which writes a
     pickled pytorch_model.bin) writes the same safetensors files, with a warning. Streams one
-    tensor at a time (tied names are written as copies, so load_state_dict(strict=True) takes
-    the result). Raises CheckpointError for a missing or damaged checkpoint, ValueError for a
-    bad max_shard_size.
+    tensor at a time, never holding the model (zero.checkpoint.write_consolidated; tied names are
+    written as copies, so load_state_dict(strict=True) takes the result). Raises
+    CheckpointError for a missing or damaged checkpoint, ValueError for a bad max_shard_size.
     """
-    import torch
-
     if max_shard_size is None:
         limit = None
     elif isinstance(max_shard_size, int):
@@ -217,16 +212,10 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         )
     reader = ConsolidatedReader(os.fspath(checkpoint_dir), tag)
     names = consolidated_names(reader, bool(exclude_frozen_parameters))
-    sources = names + [c for a, c in reader.ties.items() if c in names]
-    targets = names + [a for a, c in reader.ties.items() if c in names]
-    entries = [(t, reader.shape(s), reader.dtype(s)) for t, s in zip(targets, sources)]
     output_dir = os.fspath(output_dir)
     os.makedirs(output_dir, exist_ok=True)
-    total = sum(torch.Size(shape).numel() * 8 for _, shape, _ in entries)  # an upper bound
-    writer = ShardedWriter(output_dir, entries, limit or max(total, 1))
-    for (name, _, _), source in zip(progress(entries, "convert", unit="tensor"), sources):
-        writer.write(name, reader.read(source))
-    return writer.close()
+    output = os.path.join(output_dir, SINGLE_FILE)
+    return [os.path.basename(f) for f in _stream(reader, names, output, limit, INDEX_FILE)]
 
 
 def main(argv=None) -> int:
@@ -256,13 +245,15 @@ def main(argv=None) -> int:
             files = export_hf(args, limit)
             print(f"zero-to-fp32: {args.output}: {', '.join(files)}")
             return 0
-        state = consolidate(args.checkpoint_dir, tag=args.tag)
-        files = save_consolidated(state, args.output, limit)
+        reader = ConsolidatedReader(args.checkpoint_dir, args.tag)
+        names = consolidated_names(reader)
+        files = _stream(reader, names, args.output, limit)  # one tensor at a time
     except (CheckpointError, ValueError) as error:
         print(f"zero-to-fp32: error: {error}", file=sys.stderr)
         return 2
-    total = sum(t.numel() for t in state.values())
-    print(f"zero-to-fp32: {len(state)} tensors, {total:,} elements -> {', '.join(files)}")
+    names += [alias for alias, canonical in reader.ties.items() if canonical in names]
+    total = sum(math.prod(reader.shape(reader.ties.get(n, n))) for n in names)
+    print(f"zero-to-fp32: {len(names)} tensors, {total:,} elements -> {', '.join(files)}")
     return 0
 
 
