@@ -5,7 +5,7 @@ r"""Peak memory of consolidating a stage-3 checkpoint (zero-to-fp32), beside Dee
 Spawns `world_size` gloo ranks (CPU processes) that build the GPT of examples/gpt.py (default
 ~57M parameters, ~228 MB of fp32 weights), wrap it in a zero stage-3 fp32 engine with AdamW, take
 one optimizer step and save a checkpoint; rank 0 also measures its own peak extra memory during
-engine.save_pretrained (the export that all-gathers one bucket at a time). Where deepspeed
+engine.save_pretrained (the export assembled one tensor at a time). Where deepspeed
 imports, the same model is trained one step with DeepSpeed stage 3 on the same number of ranks
 and saved with DeepSpeed's save_checkpoint (DeepSpeed cannot read zero's checkpoints, so its
 zero_to_fp32 runs on its own).
@@ -17,10 +17,12 @@ Then each consolidation runs alone in a fresh process, measured from outside it:
 - each figure also minus the same of a process that only imports the same modules, which is
   what the consolidation itself costs.
 Contestants: zero's `zero-to-fp32 CKPT OUT.safetensors`, its library writer
-`zero.checkpoint.write_consolidated` where that exists (else save_consolidated(consolidate())),
-DeepSpeed's convert_zero_checkpoint_to_fp32_state_dict through its `zero_to_fp32` command (its
-default pickled output: --safe_serialization refuses the GPT's tied weights). The bound zero
-aims at is printed beside them: 1.5 x the largest tensor plus 64 MiB above the import baseline.
+`zero.checkpoint.write_consolidated`, `zero.checkpoint.consolidate` (which returns the state
+dict, so it holds the model once by design), and DeepSpeed's
+convert_zero_checkpoint_to_fp32_state_dict through its `zero_to_fp32` command (its default
+pickled output: --safe_serialization refuses the GPT's tied weights). The bound zero aims at is
+printed beside them: 1.5 x the largest tensor plus 64 MiB above the import baseline. Finally the
+files of zero-to-fp32, write_consolidated and save_pretrained are compared bitwise.
 DeepSpeed's first run on a machine builds its CPU ops (minutes); later runs reuse them.
 
 The parent prints a markdown table (the figures land in docs/performance.md). A measurement,
@@ -193,28 +195,37 @@ def zero_contestants(root: str) -> dict[str, tuple[list[str], list[str]]]:
     command = [script] if script else [sys.executable, "-m", "zero.zero_to_fp32"]
     baseline = python("import torch, zero.checkpoint.zero_to_fp32")
     out = os.path.join(root, "out")
-    import zero.checkpoint as checkpoint_package
-
-    if hasattr(checkpoint_package, "write_consolidated"):
-        library = (
-            "from zero.checkpoint import write_consolidated; "
-            f"write_consolidated({checkpoint!r}, {os.path.join(out, 'library.safetensors')!r})"
-        )
-        label = "zero write_consolidated() (library)"
-    else:
-        library = (
-            "from zero.checkpoint import consolidate, save_consolidated; "
-            f"save_consolidated(consolidate({checkpoint!r}), "
-            f"{os.path.join(out, 'library.safetensors')!r})"
-        )
-        label = "zero save_consolidated(consolidate()) (library)"
+    library = (
+        "from zero.checkpoint import write_consolidated; "
+        f"write_consolidated({checkpoint!r}, {os.path.join(out, 'library.safetensors')!r})"
+    )
+    state_dict = f"from zero.checkpoint import consolidate; state = consolidate({checkpoint!r})"
     return {
         "zero zero-to-fp32 (command)": (
             [*command, checkpoint, os.path.join(out, "command.safetensors")],
             baseline,
         ),
-        label: (python(library), baseline),
+        "zero write_consolidated() (library)": (python(library), baseline),
+        "zero consolidate() (returns the state dict: the model once)": (
+            python(state_dict),
+            baseline,
+        ),
     }
+
+
+def outputs_agree(root: str) -> str:
+    """Whether the command's, write_consolidated's and save_pretrained's files hold bitwise the
+    same tensors (save_pretrained: the tied lm_head once)."""
+    from safetensors.torch import load_file
+
+    out = os.path.join(root, "out")
+    command = load_file(os.path.join(out, "command.safetensors"))
+    library = load_file(os.path.join(out, "library.safetensors"))
+    pretrained = load_file(os.path.join(root, "pretrained", "model.safetensors"))
+    same = command.keys() == library.keys() and set(pretrained) <= set(command)
+    same = same and all(torch.equal(v, library[k]) for k, v in command.items())
+    same = same and all(torch.equal(v, command[k]) for k, v in pretrained.items())
+    return f"bitwise equal ({len(command)} tensors)" if same else "DIFFERENT"
 
 
 def deepspeed_contestant(root: str) -> dict[str, tuple[list[str], list[str]]]:
@@ -312,6 +323,9 @@ def main(argv=None) -> None:
         save_pretrained = json.loads(Path(root, "save_pretrained.json").read_text())
         sizes = model_sizes(args)
         print_report(args, sizes, figures, save_pretrained, skipped)
+        print(
+            f"zero-to-fp32, write_consolidated and save_pretrained outputs: {outputs_agree(root)}"
+        )
         if args.json:
             result = {"model": sizes, "figures": figures, "save_pretrained": save_pretrained}
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

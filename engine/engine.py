@@ -846,7 +846,7 @@ class Engine(torch.nn.Module):
         other rank. exclude_frozen_parameters=True leaves out the parameters with
         requires_grad=False (the Hugging Face Trainer passes it for peft models at stage 3).
 
-        Stage 3 streams it bucket by bucket ([Note: streamed 16-bit state dict] in
+        Stage 3 streams it tensor by tensor ([Note: streamed 16-bit state dict] in
         checkpoint/full_state.py): no rank's device holds the model, rank 0's host holds it
         once. It does not read stage3_gather_16bit_weights_on_model_save (DeepSpeed's does not
         either: accelerate checks zero_gather_16bit_weights_on_model_save() first). DeepSpeed
@@ -932,8 +932,9 @@ class Engine(torch.nn.Module):
         (torch.float32, torch.bfloat16, torch.float16 or "fp32"/"bf16"/"fp16"); frozen
         parameters and floating-point buffers are cast likewise. A tied parameter is saved once,
         under its first name (transformers drops lm_head.weight and ties it again on load).
-        At any stage; stage 3 all-gathers one bucket at a time and rank 0 streams it to disk, so
-        no rank holds the whole model (checkpoint/hf.py, [Note: export]). Atomic: rank 0 writes
+        At any stage; each tensor is assembled on rank 0 from the ranks' shards and written
+        before the next, so rank 0 holds one tensor beyond its training state, never a bucket
+        nor the model (checkpoint/hf.py, [Note: export]). Atomic: rank 0 writes
         `save_dir.tmp` and renames it to save_dir; other files already in save_dir (a tokenizer)
         are kept, earlier weights replaced.
 

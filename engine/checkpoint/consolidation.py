@@ -25,7 +25,7 @@ import os
 import torch
 
 from ..progress import progress
-from .format import META, MODULE_FILE, CheckpointError, rank_file
+from .format import META, MODULE_FILE, SAFETENSORS_DTYPES, CheckpointError, rank_file
 from .ownership import _numel
 from .reader import read_meta, resolve
 from .safetensors_io import SafetensorsReader, ShardedWriter
@@ -35,10 +35,13 @@ from .validation import verify_checksums
 class _Pieces:
     """The pieces of each param group's flat vector of one state kind in the rank files, read
     with positioned reads ([Note: consolidation in bounded memory]). No file stays open
-    between reads."""
+    between reads. Checked when built: every group is held exactly once, and every piece's
+    tensor is in its rank file with the right dtype and length (each rank file's header is
+    read), so a writer fed by read_into fails before it writes anything, not halfway. Raises
+    CheckpointError."""
 
     def __init__(self, path: str, meta: dict, kind: str):
-        self.path, self._readers = path, {}
+        self.path, self.kind, self._readers = path, kind, {}
         self._pieces: dict[int, list[tuple[int, int, str, str]]] = {}
         for rank, groups in meta["ranks"].items():
             for group, ranges in groups.items():
@@ -49,6 +52,22 @@ class _Pieces:
         for pieces in self._pieces.values():
             pieces.sort()
         self._starts = {group: [p[0] for p in pieces] for group, pieces in self._pieces.items()}
+        for group, params in enumerate(meta["groups"]):
+            self._check(group, sum(_numel(p["shape"]) for p in params))
+
+    def _check(self, group: int, numel: int) -> None:
+        held = 0
+        for lo, hi, rank, key in self._pieces.get(group, []):
+            if lo != held:
+                break
+            self._reader(rank, key, hi - lo)
+            held = hi
+        if held != numel:
+            raise CheckpointError(
+                f"{os.path.join(self.path, META)}: the rank files do not hold param group "
+                f"{group}'s '{self.kind}' elements [0, {numel}) exactly once (a gap or an "
+                f"overlap at element {held}): the checkpoint is damaged; load another one"
+            )
 
     def read_into(self, group: int, begin: int, out: torch.Tensor) -> None:
         """Fill `out` (1-D fp32) with elements [begin, begin + out.numel()) of `group`. Raises
@@ -81,14 +100,14 @@ class _Pieces:
         if file not in self._readers:
             self._readers[file] = SafetensorsReader(os.path.join(self.path, file))
         reader = self._readers[file]
-        if key not in reader.file_of:
-            found = "missing"
-        else:
-            found = f"{reader.dtype(key)} {list(reader.shape(key))}"
-        if found != f"{torch.float32} {[numel]}":
+        found = None
+        if key in reader.file_of:
+            found = (SAFETENSORS_DTYPES.get(reader.dtype(key)), list(reader.shape(key)))
+        if found != ("F32", [numel]):
+            found = "missing" if found is None else f"{found[0]} {found[1]}"
             raise CheckpointError(
-                f"{os.path.join(self.path, file)}: tensor '{key}' is {found}, expected "
-                f"{torch.float32} [{numel}]"
+                f"{os.path.join(self.path, file)}: tensor '{key}' is {found}, expected F32 "
+                f"[{numel}]"
             )
         return reader
 

@@ -392,8 +392,8 @@ def _refuse_meta_buffers(module, rank: int) -> None:
 # ----- export ---------------------------------------------------------------------------------
 @dataclass
 class _Piece:
-    """Tensors written together: the slots of one bucket, whose values are all-gathered from
-    the owners' shards (`bucket`), or one tensor every rank holds whole (`tensor`)."""
+    """Tensors written in turn: the slots of one bucket, each assembled from the owners'
+    shards (`bucket`), or one tensor every rank holds whole (`tensor`)."""
 
     entries: list  # (name, shape, source dtype, offset in the bucket)
     bucket: object = None

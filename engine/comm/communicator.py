@@ -274,7 +274,7 @@ class Communicator:
     def _peer_group(self):
         """The torch ProcessGroup whose send/recv take this group's ranks."""
         if isinstance(self.group, OwnGroup):
-            return self.group.backend
+            return self.group._open()
         return self.group if self.group is not None else _c10d._get_default_group()
 
     def _next_tag(self) -> int:

@@ -10,14 +10,15 @@ import datetime
 import gc
 import logging
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from .agreement import Intent, RankMismatchError, _current_agreements
 from .communicator import _all_gather_single, _reduce_scatter_single
-from .launch import init_process_group, read_launch_env
+from .groups import close_side_groups
+from .launch import before_default_group, init_process_group, read_launch_env
+from .watcher import stop_watcher
 
 logger = logging.getLogger("zero")
 
@@ -190,11 +191,11 @@ def destroy_process_group(group=None) -> None:
     calls it when done. [Note: a clean exit] For the default group each live engine's agreement
     group checks first that every rank is ending (else RankMismatchError on every rank, naming
     what each was about to do), then a barrier, so no rank exits while peers still talk to it;
-    after torch's teardown the call sleeps 0.2 s without the GIL, so that gloo's worker threads
-    finish freeing the collectives' tensors before the interpreter shuts down: a worker that
-    frees a Python-owned tensor during shutdown cannot take the GIL and aborts the finished
-    process ("terminate called without an active exception"; seen in about 1 run in 8 of a
-    2-rank script ending with barrier and destroy)."""
+    then zero's own groups are destroyed and its reduce-scatter watcher stops, and torch's
+    teardown destroys the default group (made by zero: see launch.before_default_group), each
+    joining its threads before this returns. No thread of zero's is left to free a tensor while
+    the interpreter shuts down, which aborted finished runs ("terminate called without an
+    active exception", [Note: threads at exit] in groups.py)."""
     default = group is None and is_initialized()
     if default:
         # A rank still in an engine's collectives (one micro-batch more than this rank ran)
@@ -222,9 +223,9 @@ def destroy_process_group(group=None) -> None:
                 "generate() or step() run on some ranks only, a different number of steps). "
                 f"The backend said: {error}"
             ) from error
+        stop_watcher()
+        close_side_groups()
     dist.destroy_process_group(group)
-    if default:
-        time.sleep(0.2)
 
 
 def init_distributed(
@@ -268,6 +269,7 @@ def init_distributed(
 
         dist_backend = detect_accelerator(launch.local_rank if launch else 0).backend
     options = {} if timeout is None else {"timeout": timeout}
+    before_default_group()
     if rank >= 0 and world_size > 0:
         dist.init_process_group(
             dist_backend, init_method=init_method, rank=rank, world_size=world_size, **options

@@ -4,7 +4,9 @@ agreements record arrivals, and new_group for model parallelism (ZeRO-R). Import
 zero.comm.
 """
 
+import atexit
 import datetime
+import os
 import weakref
 
 import torch
@@ -14,18 +16,45 @@ import torch.distributed.distributed_c10d as _c10d
 # Process groups zero creates beside the data-parallel group: creating one is collective and
 # costs sockets, so engines over the same ranks share them, as long as the default group they
 # were made under is the current one. That group is held by a weak reference: a strong one
-# would keep it alive after destroy_process_group(), and its gloo worker threads, still
-# running when the interpreter shuts down, then abort the finished process when they free a
-# collective's tensors ("terminate called without an active exception").
+# would keep it alive after destroy_process_group() ([Note: threads at exit]).
 _SIDE_GROUPS: dict[tuple, tuple[weakref.ref, "OwnGroup"]] = {}
+_closed_at_exit = False  # close_side_groups is registered with atexit
 
 
 def _side_group(purpose: str, ranks: list[int], backend, timeout_s) -> "OwnGroup":
+    global _closed_at_exit
     default = dist.distributed_c10d._get_default_group()
     key = (purpose, tuple(ranks), timeout_s)
     if key not in _SIDE_GROUPS or _SIDE_GROUPS[key][0]() is not default:
+        if not _closed_at_exit:
+            atexit.register(close_side_groups)
+            _closed_at_exit = True
         _SIDE_GROUPS[key] = weakref.ref(default), OwnGroup(purpose, ranks, backend, timeout_s)
     return _SIDE_GROUPS[key][1]
+
+
+def close_side_groups() -> None:
+    """Destroy every side group (OwnGroup.close): zero.comm.destroy_process_group calls it once
+    every rank is done, and interpreter exit (atexit) for a script that ends without it. A
+    collective still in flight is waited for (it fails at the group's timeout if a peer never
+    joins it). Not a collective.
+
+    [Note: threads at exit]
+    A gloo process group runs worker threads, and a worker frees the tensors of the collective
+    it ran once the caller's wait() has returned, a moment later. A tensor whose Python object
+    the caller dropped meanwhile (an agreement check's buffers, a temporary) needs the GIL to
+    be freed; once the interpreter has begun to shut down, taking the GIL ends the thread
+    (pthread_exit) inside a destructor, and the process aborts after its work is done:
+    "terminate called without an active exception" (1 launch in about 50 of a 2-rank stage-3
+    job on a loaded machine). So no thread of zero's may outlive the interpreter: its side
+    groups are destroyed here, which joins their workers while Python still runs; the reduce-
+    scatter watcher stops (watcher.stop_watcher); and the default group is made after
+    torch.distributed.nn is imported (launch.py), so that torch's destroy_process_group really
+    destroys it and joins its threads too."""
+    # A forked child holds copies of its parent's groups, whose threads it does not have.
+    mine = [key for key, (_, group) in _SIDE_GROUPS.items() if group.pid == os.getpid()]
+    for key in mine:
+        _SIDE_GROUPS.pop(key)[1].close()
 
 
 class OwnGroup:
@@ -47,10 +76,13 @@ class OwnGroup:
             if timeout_s is None
             else datetime.timedelta(seconds=timeout_s)
         )
+        self.purpose = purpose
+        self.pid = os.getpid()
+        self.global_rank = dist.get_rank()
         self.ranks = list(ranks)
         self.method_calls: dict[str, int] = {}  # Agreement.enter's count per method
         self.agreements = 0  # Agreements (engines) created over this group
-        rank, size = ranks.index(dist.get_rank()), len(ranks)
+        rank, size = ranks.index(self.global_rank), len(ranks)
         backend = backend or dist.get_backend()
         self.backend_name = str(backend)
         if backend == "nccl":
@@ -62,12 +94,32 @@ class OwnGroup:
             self.backend = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        work = self.backend._allgather_base(output, input, _c10d.AllgatherOptions())
+        work = self._open()._allgather_base(output, input, _c10d.AllgatherOptions())
         return work if async_op else work.wait()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        work = self.backend._reduce_scatter_base(output, input, dist.ReduceScatterOptions())
+        work = self._open()._reduce_scatter_base(output, input, dist.ReduceScatterOptions())
         return work if async_op else work.wait()
+
+    def _open(self):
+        if self.backend is None:
+            raise RuntimeError(
+                f"rank {self.global_rank}: zero's '{self.purpose}' process group over ranks "
+                f"{self.ranks} was destroyed by zero.comm.destroy_process_group(); an engine "
+                "cannot communicate after it: build a new one with zero.initialize"
+            )
+        return self.backend
+
+    def close(self) -> None:
+        """Destroy the process group now: its collectives in flight finish (or fail at its
+        timeout) and its worker threads end before this returns ([Note: threads at exit]).
+        Idempotent; a collective on it afterwards raises RuntimeError."""
+        backend, self.backend = self.backend, None
+        if backend is not None and self.backend_name == "nccl":
+            backend.shutdown()  # as torch.distributed.destroy_process_group does for its groups
+        # The last reference: the destructor waits for the work queue and joins the threads,
+        # with the GIL released, so a thread that frees a tensor of Python's can take it.
+        del backend
 
 
 def _agreement_store(ranks: list[int]):

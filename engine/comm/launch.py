@@ -77,4 +77,14 @@ def init_process_group(backend: str, env: LaunchEnv, **options) -> None:
                 f"environment variable {name} is not set; start the job with zrun or torchrun, "
                 "or set MASTER_ADDR and MASTER_PORT"
             )
+    before_default_group()
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **options)
+
+
+def before_default_group() -> None:
+    """Call before making the default process group. torch.distributed.nn's functions take
+    `group=group.WORLD` as a default argument, evaluated when the module is imported (the
+    first optimizer imports it, through torch._dynamo): imported while a default group exists,
+    they would keep that group, and its gloo threads, alive after destroy_process_group
+    ([Note: threads at exit] in groups.py). Imported first, they hold None."""
+    import torch.distributed.nn  # noqa: F401

@@ -4,9 +4,11 @@ reduce-scatters]). Owns _Exchange, the works of one gloo collective waited toget
 Communicator (communicator.py) launches them. Imports nothing of zero.
 """
 
+import atexit
 import os
 import queue
 import threading
+import weakref
 
 
 class _Exchange:
@@ -68,28 +70,54 @@ class _ExchangeWatcher:
     def __init__(self):
         self.pid = os.getpid()
         self._queue = queue.SimpleQueue()
+        self._last = lambda: None  # weak: the exchange handed over last (settled in order)
         self._thread = threading.Thread(target=self._run, name="zero-reduce-watcher", daemon=True)
         self._thread.start()
 
     def watch(self, exchange: _Exchange) -> _Exchange:
         exchange._settled = threading.Event()
+        self._last = weakref.ref(exchange)
         self._queue.put(exchange)
         return exchange
 
     def _run(self) -> None:
-        while True:
-            self._queue.get().settle()
+        while (exchange := self._queue.get()) is not None:
+            exchange.settle()
+            del exchange  # no reference left to its buffers while the thread waits
+
+    def stop(self) -> bool:
+        """End the thread when it has nothing to wait for (returns True), else leave it (a
+        collective a peer has not joined would keep the caller waiting)."""
+        last = self._last()
+        if last is not None and not last._settled.is_set():
+            return False
+        self._queue.put(None)
+        self._thread.join()
+        return True
 
 
 _WATCHER: _ExchangeWatcher | None = None
+_stopped_at_exit = False  # stop_watcher is registered with atexit
 
 
 def _watcher() -> _ExchangeWatcher:
     """The process's watcher thread (made again in a forked child, which has no threads)."""
-    global _WATCHER
+    global _WATCHER, _stopped_at_exit
     if _WATCHER is None or _WATCHER.pid != os.getpid():
+        if not _stopped_at_exit:
+            atexit.register(stop_watcher)
+            _stopped_at_exit = True
         _WATCHER = _ExchangeWatcher()
     return _WATCHER
+
+
+def stop_watcher() -> None:
+    """Stop this process's watcher thread when it is idle ([Note: threads at exit] in
+    groups.py): zero.comm.destroy_process_group and interpreter exit call it. The next watched
+    reduce-scatter starts a new one. Not a collective."""
+    global _WATCHER
+    if _WATCHER is not None and _WATCHER.pid == os.getpid() and _WATCHER.stop():
+        _WATCHER = None
 
 
 def _started(exchange: _Exchange, async_op: bool) -> "_Exchange | None":

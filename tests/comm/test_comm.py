@@ -1,6 +1,8 @@
-"""Communicator pieces that need no second rank; on 2-3 ranks, the gloo exchanges and
-destroy_process_group when a peer ended without it."""
+"""Communicator pieces that need no second rank; on 2-3 ranks, the gloo exchanges, the threads
+destroy_process_group leaves, and destroy_process_group when a peer ended without it."""
 
+import os
+import threading
 import time
 
 import torch
@@ -90,18 +92,52 @@ def _exchanges(sizes):
         dist.all_gather_into_tensor(expected, shard)
         out["all_gather"].append(gathered)
         out["expected_ag"].append(expected)
+    out["threads"] = _threads_after_destroy(sibling)
     return out
+
+
+def _threads_after_destroy(sibling) -> dict:
+    """zero.comm.destroy_process_group() after the collectives above (on the default group, on
+    a side group, reduce-scatters waited by the watcher thread): the threads left, and what a
+    collective on the destroyed side group raises."""
+    import zero.comm
+
+    def names() -> list[str]:
+        native = []
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/comm") as file:
+                native.append(file.read().strip())
+        return native + [thread.name for thread in threading.enumerate()]
+
+    before = names()
+    zero.comm.destroy_process_group()
+    try:
+        sibling.reduce_scatter(torch.empty(4), torch.ones(4 * sibling.world_size))
+        error = "no error"
+    except RuntimeError as raised:
+        error = str(raised)
+    return {"before": before, "after": names(), "error": error}
 
 
 def test_gloo_reduce_scatter_and_all_gather_are_exact_exchanges():
     from distributed import run_ranks
 
     sizes = [1, 7, 1000, 4097]
-    for result in run_ranks(_exchanges, 3, sizes, timeout=120):
+    for rank, result in enumerate(run_ranks(_exchanges, 3, sizes, timeout=120)):
         for got, expected in zip(result["reduce_scatter"], result["expected_rs"]):
             assert torch.equal(got, expected)  # own slice, then the peers' in rank order
         for got, expected in zip(result["all_gather"], result["expected_ag"]):
             assert torch.equal(got, expected)
+        # [Note: threads at exit]: no gloo worker nor watcher is left to free a tensor while
+        # the interpreter shuts down (which aborted finished runs)
+        threads = result["threads"]
+        ours = ("pt_gloo_runloop", "gloo_tcp_loop", "zero-reduce-watcher")
+        assert {name for name in threads["before"] if name in ours} == set(ours)
+        assert [name for name in threads["after"] if name in ours] == [], threads["after"]
+        assert threads["error"].startswith(
+            f"rank {rank}: zero's 'test-exchanges' process group over ranks [0, 1, 2] was "
+            "destroyed by zero.comm.destroy_process_group()"
+        ), threads["error"]
 
 
 def _one_rank_leaves():
