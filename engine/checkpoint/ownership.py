@@ -60,5 +60,20 @@ def _laid_out_ids(engine) -> set[int]:
 
 
 def _module_tensors(module):
+    """Parameters and persistent buffers, as torch's state_dict() holds them: a non-persistent
+    buffer (a rotary embedding's inv_freq) is the module's own to rebuild, and a consolidated
+    state dict holding one would not load with strict=True."""
+    skip = non_persistent_buffer_names(module)
     yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        if name not in skip:
+            yield name, buffer
+
+
+def non_persistent_buffer_names(module) -> set[str]:
+    """Qualified names of the non-persistent buffers of `module` and its submodules."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules(remove_duplicate=False)
+        for name in sub._non_persistent_buffers_set
+    }

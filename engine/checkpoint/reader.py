@@ -36,7 +36,14 @@ from .format import (
     rank_file,
     stateful_loader,
 )
-from .ownership import _group_slots, _laid_out_ids, _module_tensors, _numel, owned_ranges
+from .ownership import (
+    _group_slots,
+    _laid_out_ids,
+    _module_tensors,
+    _numel,
+    non_persistent_buffer_names,
+    owned_ranges,
+)
 from .validation import (
     _differences,
     _layout_problems,
@@ -481,7 +488,8 @@ def _read_module_file(path: str, engine, laid_out: set[int], strict: bool, meta:
         if id(tensor) not in laid_out and id(tensor) not in seen:
             seen.add(id(tensor))
             targets[name] = tensor
-    saved = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
+    skip = non_persistent_buffer_names(engine.module)  # older checkpoints hold them too
+    saved = {n: handle.get_slice(n).get_shape() for n in handle.keys() if n not in skip}
     excluded = set(meta.get("excluded_frozen") or ())
     kept = [
         name

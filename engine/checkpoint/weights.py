@@ -10,6 +10,7 @@ from ..errors import listed
 from .agreement import _on_every_rank
 from .consolidation import ConsolidatedReader
 from .format import CheckpointError
+from .ownership import _module_tensors
 from .reader import read_meta
 
 logger = logging.getLogger("zero")
@@ -63,8 +64,7 @@ def _weights_to_load(engine, reader, strict: bool, excluded: set) -> list[tuple]
     every shape or dtype that does not fit. A frozen parameter the checkpoint left out
     (`excluded`, its excluded_frozen: [Note: frozen parameters left out] in
     checkpoint/format.py) keeps its value when it is frozen here too."""
-    named = [*engine.module.named_parameters(remove_duplicate=False)]
-    named += [*engine.module.named_buffers(remove_duplicate=False)]
+    named = list(_module_tensors(engine.module))  # parameters and persistent buffers
     targets, problems = {}, []  # id(tensor) -> (name in the checkpoint, tensor)
     for name, tensor in named:
         saved = reader.ties.get(name, name)

@@ -225,6 +225,8 @@ def destroy_process_group(group=None) -> None:
             ) from error
         stop_watcher()
         close_side_groups()
+    if group is None and not is_initialized():
+        return  # one process without a process group (zero.initialize made none): nothing to end
     dist.destroy_process_group(group)
 
 

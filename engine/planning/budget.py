@@ -41,6 +41,22 @@ import torch
 GATHERED_FRACTION = 0.5
 
 
+def _size(nbytes: float) -> str:
+    """Bytes for the log: MiB, or KiB below one MiB."""
+    if abs(nbytes) < 2**20:
+        return f"{nbytes / 2**10:,.1f} KiB"
+    return f"{nbytes / 2**20:,.0f} MiB"
+
+
+def _figures(headroom: int, bound_by: str, pending: int, budget: int, use: str) -> str:
+    if bound_by == "stage3_fetch_budget":
+        return f"stage3_fetch_budget gives {_size(budget)} for {use}"
+    return (
+        f"headroom {_size(headroom)} ({bound_by}) less {_size(pending)} of model states still "
+        f"to allocate, half for {use}: {_size(budget)}"
+    )
+
+
 @dataclass(frozen=True)
 class FetchSettings:
     """Stage 3's fetch limits, in elements (see [Note: memory-aware fetch policy])."""
@@ -105,19 +121,15 @@ def choose(
     `largest_leaf_numel`, gathered in `compute_bytes` per element. `defaults`: DeepSpeed's
     values (kept when the whole model fits the budget). Pure: no memory is read here."""
     budget = int((headroom - pending_bytes) * GATHERED_FRACTION)
-    mib = 2**20
-    figures = (
-        f"headroom {headroom / mib:,.0f} MiB ({bound_by}) less {pending_bytes / mib:,.0f} MiB of "
-        f"model states still to allocate, half for gathered parameters: {budget / mib:,.0f} MiB"
-    )
+    figures = _figures(headroom, bound_by, pending_bytes, budget, "gathered parameters")
     if model_numel * compute_bytes <= budget:
         return FetchSettings(
             defaults.unit_numel,
             defaults.prefetch_numel,
             defaults.max_live_numel,
             defaults.max_reuse_numel,
-            f"{figures}, which holds the whole model ({model_numel * compute_bytes / mib:,.0f} "
-            "MiB): DeepSpeed's defaults",
+            f"{figures}, which holds the whole model ({_size(model_numel * compute_bytes)}): "
+            "DeepSpeed's defaults",
         )
     live = max(budget // compute_bytes, 2 * largest_leaf_numel, 1)
     return FetchSettings(
@@ -125,8 +137,8 @@ def choose(
         prefetch_numel=live // 2,
         max_live_numel=live,
         max_reuse_numel=0,
-        reason=f"{figures}, less than the whole model ({model_numel * compute_bytes / mib:,.0f} "
-        f"MiB): units of at most {max(live // 4, 1):,} elements, {live // 2:,} prefetched, "
+        reason=f"{figures}, less than the whole model ({_size(model_numel * compute_bytes)}): "
+        f"units of at most {max(live // 4, 1):,} elements, {live // 2:,} prefetched, "
         f"{live:,} live, no reuse",
     )
 
@@ -246,13 +258,17 @@ def fetch_settings(model, config, comm, device, trains: bool, state_bytes: int) 
     keep = given.get("stage3_module_granularity_threshold")
     if keep == 0:  # set to 0 explicitly: DeepSpeed's "disabled", zero's reduce_bucket_size
         keep = zero_cfg.reduce_bucket_size
-    return FetchSettings(
-        keep if keep is not None else chosen.unit_numel,
-        given.get("stage3_prefetch_bucket_size", chosen.prefetch_numel),
-        given.get("stage3_max_live_parameters", chosen.max_live_numel),
-        given.get("stage3_max_reuse_distance", chosen.max_reuse_numel),
-        chosen.reason + (f" (the config sets {', '.join(given)})" if given else ""),
-    )
+    unit = keep if keep is not None else chosen.unit_numel
+    prefetch = given.get("stage3_prefetch_bucket_size", chosen.prefetch_numel)
+    live = given.get("stage3_max_live_parameters", chosen.max_live_numel)
+    reuse = given.get("stage3_max_reuse_distance", chosen.max_reuse_numel)
+    reason = chosen.reason
+    if given:  # the values in effect, which the config's keys changed
+        reason += (
+            f"; the config sets {', '.join(given)}, so in effect: units of at most {unit:,} "
+            f"elements, {prefetch:,} prefetched, {live:,} live, reuse distance {reuse:,}"
+        )
+    return FetchSettings(unit, prefetch, live, reuse, reason)
 
 
 # [Note: bucket sizes from memory]
@@ -289,11 +305,7 @@ def choose_buckets(
     still allocate `pending_bytes` of model states, training `model_numel` elements with
     gradients of `grad_bytes` each; `defaults` kept when the whole gradient fits. Pure."""
     budget = int((headroom - pending_bytes) * GATHERED_FRACTION)
-    mib = 2**20
-    figures = (
-        f"headroom {headroom / mib:,.0f} MiB ({bound_by}) less {pending_bytes / mib:,.0f} MiB of "
-        f"model states still to allocate, half for gradient buckets: {budget / mib:,.0f} MiB"
-    )
+    figures = _figures(headroom, bound_by, pending_bytes, budget, "gradient buckets")
     whole = STAGING_BUCKETS * model_numel * grad_bytes
     if whole <= budget:
         return BucketSettings(
@@ -307,7 +319,7 @@ def choose_buckets(
     return BucketSettings(
         reduce_numel,
         allgather_numel,
-        f"{figures}, less than {STAGING_BUCKETS} whole gradients ({whole / mib:,.0f} MiB): "
+        f"{figures}, less than {STAGING_BUCKETS} whole gradients ({_size(whole)}): "
         f"buckets of {reduce_numel:,} elements",
     )
 
