@@ -56,6 +56,7 @@ from .consolidation import ConsolidatedReader
 from .files import publish_directory
 from .format import CheckpointError
 from .full_state import slot_value
+from .ownership import non_persistent_buffer_names
 from .safetensors_io import (
     INDEX_FILE,
     SafetensorsReader,
@@ -541,7 +542,7 @@ def _checkpoint_entries(reader: ConsolidatedReader, model, dtype) -> tuple[list,
             saved = reader.dtype(found)
             entries.append((target.names[0], shape, dtype if saved.is_floating_point else saved))
             sources.append(found)
-    used |= _non_persistent_buffers(model)
+    used |= non_persistent_buffer_names(model)
     unexpected = [name for name in reader.names if name not in used]
     if unexpected:
         problems.append(f"unexpected {unexpected[:5]}" + " ..." * (len(unexpected) > 5))
@@ -552,14 +553,6 @@ def _checkpoint_entries(reader: ConsolidatedReader, model, dtype) -> tuple[list,
             + (" (a peft model's checkpoint: merge its adapters, see docs/hf.md)" if peft else "")
         )
     return entries, sources
-
-
-def _non_persistent_buffers(module) -> set[str]:
-    return {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, sub in module.named_modules(remove_duplicate=False)
-        for name in sub._non_persistent_buffers_set
-    }
 
 
 def _export_dtype(dtype) -> torch.dtype:

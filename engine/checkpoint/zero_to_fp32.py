@@ -28,7 +28,8 @@ import sys
 from ..errors import listed
 from .consolidation import ConsolidatedReader, _stream, consolidate, consolidated_names
 from .format import CheckpointError
-from .hf import _non_persistent_buffers, checkpoint_to_pretrained
+from .hf import checkpoint_to_pretrained
+from .ownership import non_persistent_buffer_names
 from .safetensors_io import INDEX_FILE, SINGLE_FILE, parse_size
 
 logger = logging.getLogger("zero")
@@ -145,7 +146,7 @@ def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
     logger.info("zero_to_fp32: consolidating %s", checkpoint_dir)
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     expected = set(model.state_dict().keys())
-    extra_ok = _non_persistent_buffers(model)  # in the checkpoint, not in the state dict
+    extra_ok = non_persistent_buffer_names(model)  # in the checkpoint, not in the state dict
     state = {k: v for k, v in state.items() if k in expected or k not in extra_ok}
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
