@@ -7,7 +7,11 @@ nccl (`init_rank(..., device="cuda")`), and the contestants follow the rank's de
 """
 
 import inspect
+import multiprocessing
 import os
+import queue
+import re
+import resource
 import socket
 import statistics
 import sys
@@ -50,6 +54,59 @@ def evict(path: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def status_bytes(key: str) -> int:
+    """A size field of /proc/self/status (VmData, VmRSS, VmHWM, ...) in bytes."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+) kB", status, re.M).group(1)) * 1024
+
+
+def run_spawned(target, world_size: int, spec, timeout: float, stack_bytes: int = 0, join_s=10):
+    """Start `world_size` fresh processes target(rank, world_size, port, spec, results) and
+    collect what each puts on `results`: (rank, kind, info), kind "started" (ignored), "ok" or
+    a failure kind. Returns (outcome, {rank: info of "ok"}): outcome is None when every rank
+    said "ok", else (kind, message) for the first failure, a rank that exited without a result
+    ("crash") or no result within `timeout` seconds ("timeout"). The ranks start with
+    RLIMIT_STACK `stack_bytes` (0: inherited): glibc sizes every thread's stack from it, and a
+    stack is private writable memory that a cap on it would count. Afterwards each rank gets
+    `join_s` seconds to end (0.5 after a failure) before it is killed."""
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [
+        ctx.Process(target=target, args=(r, world_size, port, spec, results))
+        for r in range(world_size)
+    ]
+    stack = resource.getrlimit(resource.RLIMIT_STACK)
+    if stack_bytes:
+        resource.setrlimit(resource.RLIMIT_STACK, (stack_bytes, stack[1]))
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_STACK, stack)
+    outcome, seen, deadline = None, {}, time.monotonic() + timeout
+    while outcome is None and len(seen) < world_size:
+        try:
+            rank, kind, info = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in seen]
+            if dead:
+                outcome = ("crash", f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
+            elif time.monotonic() > deadline:
+                outcome = ("timeout", f"no result within {timeout} s")
+            continue
+        if kind == "started":
+            continue
+        seen[rank] = info
+        if kind != "ok":
+            outcome = (kind, f"rank {rank}: {info}")
+    for p in procs:
+        p.join(timeout=join_s if outcome is None else 0.5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return outcome, seen
 
 
 def init_rank(

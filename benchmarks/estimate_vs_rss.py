@@ -27,7 +27,6 @@ Linux only (/proc). A measurement script, not a test.
 
 import argparse
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import free_port, init_rank  # noqa: E402
+from _common import free_port, init_rank, status_bytes  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import zero  # noqa: E402
@@ -66,12 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--checkpointing", action="store_true", help="also run every size with checkpointing"
     )
     return parser.parse_args(argv)
-
-
-def status_bytes(key: str) -> int:
-    """A size field of /proc/self/status (VmRSS, VmHWM) in bytes."""
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024
 
 
 def reset_peak() -> None:

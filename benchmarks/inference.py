@@ -41,10 +41,7 @@ Results: docs/performance.md.
 
 import argparse
 import json
-import multiprocessing
 import os
-import queue as queue_module
-import re
 import resource
 import sys
 import tempfile
@@ -54,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import free_port  # noqa: E402
+from _common import run_spawned, status_bytes  # noqa: E402
 
 SYSTEMS = ("plain", "zero3_offload", "ds3_offload")
 
@@ -126,12 +123,6 @@ def prompts(args, rank: int):
 
     generator = torch.Generator().manual_seed(100 + rank)
     return torch.randint(3, args.vocab, (args.batch, args.prompt_len), generator=generator)
-
-
-def status_bytes(key: str) -> int:
-    """A /proc/self/status entry (VmData, VmHWM, ...) in bytes."""
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{key}:\s+(\d+) kB", status, re.M).group(1)) * 1024
 
 
 def zero_config(args) -> dict:
@@ -278,40 +269,8 @@ def run_system(args, system: str, path: str, warm: str, cap: int) -> tuple[str, 
     # Freed tensors go back to the kernel at once (no heap high-water mark), so the cap sees
     # live memory; the spawned ranks inherit this environment (as in largest_model.py).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    ctx = multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [
-        ctx.Process(target=run_rank, args=(r, world_size, port, spec, results))
-        for r in range(world_size)
-    ]
-    stack = resource.getrlimit(resource.RLIMIT_STACK)
-    resource.setrlimit(resource.RLIMIT_STACK, (1024 * 1024, stack[1]))  # see largest_model.py
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        resource.setrlimit(resource.RLIMIT_STACK, stack)
-    outcome, seen, deadline = None, {}, time.monotonic() + args.timeout
-    while outcome is None and len(seen) < world_size:
-        try:
-            rank, kind, info = results.get(timeout=1.0)
-        except queue_module.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in seen]
-            if dead:
-                outcome = ("crash", f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
-            elif time.monotonic() > deadline:
-                outcome = ("timeout", f"no result within {args.timeout} s")
-            continue
-        if kind == "started":
-            continue
-        seen[rank] = info
-        if kind != "ok":
-            outcome = (kind, f"rank {rank}: {info}")
-    for p in procs:
-        p.join(timeout=30 if outcome is None else 0.5)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    stack = 1024 * 1024  # see largest_model.py
+    outcome, seen = run_spawned(run_rank, world_size, spec, args.timeout, stack, join_s=30)
     return outcome or ("ok", seen)
 
 

@@ -31,10 +31,7 @@ figure here: the row shows what the cap sees. Results and method: docs/performan
 import argparse
 import gc
 import json
-import multiprocessing
 import os
-import queue as queue_module
-import re
 import resource
 import sys
 import time
@@ -43,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import formula, free_port  # noqa: E402
+from _common import formula, run_spawned, status_bytes  # noqa: E402
 
 SYSTEMS = (
     "zero0",
@@ -126,12 +123,6 @@ def num_params(n_layer: int, n_embd: int, block_size: int) -> int:
 
 
 # ----- one trial, in fresh processes ------------------------------------------------------------
-def status_bytes(key: str) -> int:
-    """A /proc/self/status entry (VmData, VmHWM, ...) in bytes."""
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{key}:\s+(\d+) kB", status, re.M).group(1)) * 1024
-
-
 def trial_rank(rank: int, world_size: int, port: int, spec: dict, results) -> None:
     """One rank of one trial: imports, process group, cap, then build and --steps steps."""
     os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
@@ -201,45 +192,12 @@ def run_trial(args, system: str, size: int) -> tuple[str, str | tuple[int, int]]
         # Freed tensors go back to the kernel at once (no heap high-water mark), so the cap
         # sees live memory; the spawned ranks inherit this environment.
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=trial_rank, args=(r, args.world_size, port, spec, results))
-        for r in range(args.world_size)
-    ]
     # glibc sizes every thread's stack from RLIMIT_STACK at process start (8 MiB by default),
     # and a stack is private writable memory: the threads gloo and autograd start after the cap
     # would take 8 MiB each of M. The ranks inherit a smaller limit.
-    stack = resource.getrlimit(resource.RLIMIT_STACK)
-    if args.thread_stack_kib:
-        resource.setrlimit(resource.RLIMIT_STACK, (args.thread_stack_kib * 1024, stack[1]))
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        resource.setrlimit(resource.RLIMIT_STACK, stack)
-    outcome, deadline, seen = None, time.monotonic() + args.timeout, {}
-    while outcome is None and len(seen) < args.world_size:
-        try:
-            rank, kind, info = results.get(timeout=1.0)
-            if kind == "started":
-                continue
-            seen[rank] = (kind, info)
-            if kind != "ok":
-                outcome = (kind, f"rank {rank}: {info}")
-        except queue_module.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in seen]
-            if dead:
-                outcome = ("crash", f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
-            elif time.monotonic() > deadline:
-                outcome = ("timeout", f"no result within {args.timeout} s")
-    for p in procs:
-        p.join(timeout=10 if outcome is None else 0.5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return outcome or ("ok", seen[0][1])
+    stack = args.thread_stack_kib * 1024
+    outcome, seen = run_spawned(trial_rank, args.world_size, spec, args.timeout, stack)
+    return outcome or ("ok", seen[0])
 
 
 # ----- the search -------------------------------------------------------------------------------
