@@ -160,8 +160,10 @@ class Engine(torch.nn.Module):
             self._materialize_frozen(named_groups)
         self._broadcast_module()
         self.scaler = LossScaler.from_config(config)
-        units, unit_of = self._fetch_units(optimizer)
-        self.bucket_sizes = self._bucket_sizes(optimizer)
+        trains = not isinstance(optimizer, NoOptimizer)
+        state_bytes = (state_bytes_per_element(optimizer) or 8) if trains else 0
+        units, unit_of = self._fetch_units(trains, state_bytes)
+        self.bucket_sizes = self._bucket_sizes(trains, state_bytes)
         self.optimizer = ZeroOptimizer(
             named_groups,
             optimizer,
@@ -174,7 +176,7 @@ class Engine(torch.nn.Module):
                 unit_of,
                 persistent_unit(units),
             ),
-            self._reduce_settings(mpu, trains=not isinstance(optimizer, NoOptimizer)),
+            self._reduce_settings(mpu, trains),
             comm,
             self.scaler,
             config.compute_dtype,
@@ -267,7 +269,7 @@ class Engine(torch.nn.Module):
         # ----- end observability -----
 
     # ----- construction -------------------------------------------------------------------
-    def _fetch_units(self, optimizer):
+    def _fetch_units(self, trains: bool, state_bytes: int):
         """Stage 3: the fetch units (partition/stage3.py) and id(param) -> unit, sized by the
         fetch policy (self.fetch, [Note: memory-aware fetch policy] in
         planning/budget.py); else none. Collective at stage 3."""
@@ -275,8 +277,6 @@ class Engine(torch.nn.Module):
         self.fetch = None
         if zero_cfg.stage != 3:
             return [], None
-        trains = not isinstance(optimizer, NoOptimizer)
-        state_bytes = (state_bytes_per_element(optimizer) or 8) if trains else 0
         self.fetch = fetch_settings(
             self.module, self.config, self.comm, self.accelerator.device, trains, state_bytes
         )
@@ -289,12 +289,10 @@ class Engine(torch.nn.Module):
             zero_cfg.stage3_model_persistence_threshold,
         )
 
-    def _bucket_sizes(self, optimizer):
+    def _bucket_sizes(self, trains: bool, state_bytes: int):
         """Stages 1-2: reduce and all-gather bucket sizes, from the memory a rank may use where
         the config leaves them unset ([Note: bucket sizes from memory] in planning/budget.py).
         Collective at stages 1-2 with an optimizer."""
-        trains = not isinstance(optimizer, NoOptimizer)
-        state_bytes = (state_bytes_per_element(optimizer) or 8) if trains else 0
         sizes = bucket_settings(
             self.module, self.config, self.comm, self.accelerator.device, trains, state_bytes
         )
