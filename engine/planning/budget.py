@@ -37,6 +37,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..partition.init import full_numel, is_partitioned
+from .memory import ModelStateSpec, model_state_formula
+
 # The fraction of the budget left over (after model states) that gathered parameters may use.
 GATHERED_FRACTION = 0.5
 
@@ -150,8 +153,6 @@ def _unique_params(model: torch.nn.Module) -> list:
 def largest_leaf_numel(model: torch.nn.Module) -> int:
     """Elements of the largest set of parameters stage 3 cannot split: one module's own
     parameters (recurse=False), counted at their full size."""
-    from ..partition.init import full_numel
-
     return max(
         (sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()),
         default=0,
@@ -165,8 +166,6 @@ def pending_bytes(model, config, trains: bool, state_bytes: int, num_shards: int
     they stay on `device`: offload moves them to the host, which on a CPU rank is the same
     memory) less the parameters' storage held now (whole parameters, or zero.Init shards, which
     the engine's buffers replace)."""
-    from ..partition.init import full_numel, is_partitioned
-    from .memory import ModelStateSpec, model_state_formula
 
     params = _unique_params(model)
     trained = [p for p in params if trains and p.requires_grad]
@@ -244,8 +243,6 @@ def fetch_settings(model, config, comm, device, trains: bool, state_bytes: int) 
     if len(given) == len(_KEYS):
         return defaults
     headroom, bound_by, pending = _measured(model, config, comm, device, trains, state_bytes)
-    from ..partition.init import full_numel
-
     chosen = choose(
         headroom=headroom,
         bound_by=bound_by,
@@ -328,8 +325,6 @@ def bucket_settings(model, config, comm, device, trains: bool, state_bytes: int)
     """Stages 1-2's bucket sizes ([Note: bucket sizes from memory]); the config's values where
     it sets the keys, and at other stages or without an optimizer. Collective when the policy
     measures (one all-reduce of one element)."""
-    from ..partition.init import full_numel
-
     zero_cfg = config.zero
     defaults = BucketSettings(
         zero_cfg.reduce_bucket_size, zero_cfg.allgather_bucket_size, "set in the config"
