@@ -41,6 +41,14 @@ GatheredParameters(params, modifier_rank=0), and _init_weights opens its own blo
 modifications reach the other ranks when the outermost block exits. One owner per gathered
 state: a parameter is released only while gathered, exactly once.
 
+[Note: construction memory]
+A rank holds its slices (1/N of the model) plus, at any moment, the parameters gathered for
+operations (see above) and one parameter being partitioned: gathering writes the full value into
+one new buffer; releasing broadcasts from rank `src`'s own value, uncopied, while the other
+ranks drop theirs before receiving, so one full value and the new slice coexist (1.5 times
+the parameter). On 2 ranks the construction of a Llama (benchmarks/load_pretrained_rss.py)
+peaks at half the model plus 1.5 times its largest tensor.
+
 After the context, zero.initialize gathers each parameter once more, one bucket at a time, to lay
 it out (stages.py); until then `param.numel()` is 0 and full_shape(param) gives the shape.
 
@@ -69,11 +77,19 @@ benchmarks/load_pretrained_rss.py. So while the context is open it sets transfor
 HF_DEACTIVATE_ASYNC_LOAD=1 (unless the environment sets it), which makes it materialize each
 tensor when it assigns it: one full tensor at a time. A transformers without that switch only
 reads ahead again; nothing else depends on it.
+Uncast, every page of the mapped file ends in every rank's resident set (the CRC-32 of each
+assigned value reads it whole): 1.5 times the model per rank in VmRSS on 2 ranks, although
+private memory held half. transformers opens the files with safetensors' safe_open(...,
+backend="mmap"); while the context is open, zero has its calls (transformers.modeling_utils.
+safe_open) use safetensors' "pread" backend instead, which reads each tensor into private
+memory when it is materialized, so it is freed once partitioned. A call without a backend
+argument (an older transformers) is left as it is.
 """
 
 import contextlib
 import functools
 import os
+import sys
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -92,9 +108,33 @@ from .ds_params import ZeroParamStatus, describe, forget, set_status, set_tensor
 _ACTIVE = None  # the Init context in force (contexts do not nest: an inner one does nothing)
 # transformers' switch for materializing checkpoint tensors one at a time ([Note: meta ...]).
 _SEQUENTIAL_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"
+# transformers' module that opens safetensors files ([Note: meta parameters and loaded values]).
+_HF_LOADER = "transformers.modeling_utils"
 # Parameters kept gathered inside the context after their last touch (see [Note: touching a
 # partitioned parameter]); enough for code that aliases a few parameters at once.
 KEEP_GATHERED = 4
+
+
+def _read_checkpoints_with_pread():
+    """Have transformers' safe_open read tensors with safetensors' "pread" backend instead of
+    mapping the file ([Note: meta parameters and loaded values]). Returns the function replaced,
+    to be restored on exit, or None when transformers' loader is not imported yet (it is imported
+    with the first model class of transformers, before any checkpoint is opened: Init tries again
+    as each module is built) or its safe_open was replaced already."""
+    loader = sys.modules.get(_HF_LOADER)
+    original = getattr(loader, "safe_open", None)
+    if original is None or getattr(original, "zero_replaces", None) is not None:
+        return None
+
+    @functools.wraps(original)
+    def safe_open(*args, **kwargs):
+        if kwargs.get("backend") == "mmap":
+            kwargs["backend"] = "pread"
+        return original(*args, **kwargs)
+
+    safe_open.zero_replaces = original
+    loader.safe_open = safe_open
+    return original
 
 
 class InitShard:
@@ -260,7 +300,7 @@ def gather_in_place(param) -> None:
     shard = param.zero_shard
     if not shard.gathered:
         with torch.no_grad():
-            param.data = gather_full(param).to(shard.home, copy=True)
+            param.data = gather_full(param).to(shard.home)  # gathered into a new buffer
         shard.gathered = True
 
 
@@ -273,7 +313,14 @@ def release_in_place(param, src: int = 0) -> None:
     if _ACTIVE is not None:
         _ACTIVE.assigned.pop(id(param), None)  # rank src's value now: equal everywhere
     with torch.no_grad():
-        full = param.data.to(shard.comm_device, copy=True).contiguous()
+        if shard.comm.rank != src:
+            # This rank's own value is replaced: drop it before receiving rank src's, so that
+            # at most one full copy and the slice exist at once ([Note: construction memory]).
+            shape = param.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=shard.home)
+            full = torch.empty(shape, dtype=param.dtype, device=shard.comm_device)
+        else:
+            full = param.data.to(shard.comm_device).contiguous()  # sent as is: broadcast reads it
         shard.comm.broadcast(full, src=src)
         shard.keep(full)
         param.data = torch.empty(0, dtype=param.dtype, device=shard.home)
@@ -544,6 +591,7 @@ class Init:
         self._subclass_hook = None
         self._register_hook = None
         self._set_env = False  # this context set HF_DEACTIVATE_ASYNC_LOAD
+        self._hf_safe_open = None  # transformers' safe_open, while zero's replaces it
         self._mode = None
         self._busy = False
         if module is not None and enabled:
@@ -565,6 +613,7 @@ class Init:
         )
         self._set_env = _SEQUENTIAL_LOAD not in os.environ
         os.environ.setdefault(_SEQUENTIAL_LOAD, "1")
+        self._read_checkpoints_with_pread()
         self._mode = _Catch(self)
         self._mode.__enter__()
         return self
@@ -577,6 +626,8 @@ class Init:
         self._register_hook.remove()
         if self._set_env:
             os.environ.pop(_SEQUENTIAL_LOAD, None)
+        if self._hf_safe_open is not None:
+            sys.modules[_HF_LOADER].safe_open = self._hf_safe_open
         for cls, (original, wrapper) in self._patched.items():
             # A class defined inside the context whose __init__ a class decorator replaced
             # after __init_subclass__ wrapped it (transformers' use_experts_implementation on
@@ -608,9 +659,14 @@ class Init:
     # ----- partitioning ---------------------------------------------------------------------
     def _module_built(self, module) -> None:
         """The outermost __init__ of `module` returned: partition its own parameters."""
+        self._read_checkpoints_with_pread()
         self._release_all()
         self._partition_params(module.parameters(recurse=False))
         guard_load_state_dict(module)
+
+    def _read_checkpoints_with_pread(self) -> None:
+        if self._hf_safe_open is None:
+            self._hf_safe_open = _read_checkpoints_with_pread()
 
     def _partition_tree(self, module) -> None:
         self._partition_params(module.parameters())
