@@ -45,9 +45,9 @@ state: a parameter is released only while gathered, exactly once.
 A rank holds its slices (1/N of the model) plus, at any moment, the parameters gathered for
 operations (see above) and one parameter being partitioned: gathering writes the full value into
 one new buffer; releasing broadcasts from rank `src`'s own value, uncopied, while the other
-ranks drop theirs before receiving, so one full value and the new slice coexist (1.5 times
-the parameter). On 2 ranks the construction of a Llama (benchmarks/load_pretrained_rss.py)
-peaks at half the model plus 1.5 times its largest tensor.
+ranks drop theirs before receiving, and the slice is written over, so one full value and one
+slice coexist (1.5 times the parameter on 2 ranks). On 2 ranks the construction of a Llama
+(benchmarks/load_pretrained_rss.py) peaks at half the model plus 1.5 times its largest tensor.
 
 After the context, zero.initialize gathers each parameter once more, one bucket at a time, to lay
 it out (stages.py); until then `param.numel()` is 0 and full_shape(param) gives the shape.
@@ -199,11 +199,16 @@ class InitShard:
 
     def keep_owned(self, owned: torch.Tensor, dtype: torch.dtype) -> None:
         """Keep `owned` (1-D: the elements owned_range() names, any dtype) as this rank's slice,
-        in `dtype`."""
-        data = torch.zeros(-(-self.numel // self.comm.world_size), dtype=dtype, device=self.device)
+        in `dtype`. The slice held so far is written over when its size and dtype match (a
+        release after a gather), so that no second slice is allocated."""
+        size, data = -(-self.numel // self.comm.world_size), self.data
+        if data is None or data.numel() != size or data.dtype != dtype:
+            data = torch.zeros(size, dtype=dtype, device=self.device)
+            if self.pin and torch.cuda.is_available() and data.device.type == "cpu":
+                data = data.pin_memory()
+        else:
+            data[owned.numel() :].zero_()
         data[: owned.numel()].copy_(owned)
-        if self.pin and torch.cuda.is_available() and data.device.type == "cpu":
-            data = data.pin_memory()
         self.data = data
         set_tensor(self.param, data)
 

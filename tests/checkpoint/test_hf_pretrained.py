@@ -136,15 +136,29 @@ def read_bound(path, world: int) -> tuple[int, int]:
 def init_from_pretrained(paths, out):
     """from_pretrained inside zero.Init: each rank holds only its slices, with the checkpoint's
     values, buffers (rotary inv_freq) as in an ordinary load, ties kept."""
+    import transformers.modeling_utils as loader
     from transformers import AutoModelForCausalLM
 
     import zero
     from zero.init import gather_full, is_partitioned
 
+    # the backends transformers' safe_open is called with: inside zero.Init, "pread" (each
+    # tensor read into private memory, not the whole file mapped into every rank)
+    backends, safe_open = [], loader.safe_open
+
+    def recording(*args, **kwargs):
+        backends.append(kwargs.get("backend"))
+        return safe_open(*args, **kwargs)
+
+    loader.safe_open = recording
     for name, ref_name in (("llama", "llama"), ("gpt2", "gpt2"), ("gpt2_base", "gpt2")):
         reference = AutoModelForCausalLM.from_pretrained(paths[ref_name])
+        out[f"backends_{name}"] = [backends.copy()]
+        backends.clear()
         with zero.Init(config=config(3)):
             model = AutoModelForCausalLM.from_pretrained(paths[name])
+        out[f"backends_{name}"].append((backends.copy(), loader.safe_open is recording))
+        backends.clear()
         slices, values = {}, {}
         for n, p in model.named_parameters():
             slices[n] = (
@@ -162,6 +176,7 @@ def init_from_pretrained(paths, out):
             "buffers": buffers,
             "tied": tied is None or model.lm_head.weight is tied.wte.weight,
         }
+    loader.safe_open = safe_open
 
 
 def init_engine_trains_like_a_single_process(paths, out):
@@ -408,6 +423,9 @@ def test_from_pretrained_under_init_keeps_only_each_ranks_slice(per_rank):
             for param, (partitioned, numel, kept, full) in case["slices"].items():
                 assert partitioned and numel == 0, param
                 assert kept == -(-full // 2), param
+            outside, (inside, restored) = res[f"backends_{name}"]
+            assert set(outside) == {"mmap"} and set(inside) == {"pread"}, (outside, inside)
+            assert restored, name
 
 
 def test_init_engine_matches_plain_model_and_single_process_training(per_rank):

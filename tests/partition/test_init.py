@@ -220,7 +220,45 @@ def sweep():
         got, memory = train(build(init=True, stage=stage), stage)
         out[f"train_stage{stage}"] = max((got[n] - w).abs().max().item() for n, w in want.items())
         out[f"memory_stage{stage}"] = memory
+    out["construction_memory"] = construct_under_limit()  # last: a failure breaks the group
     return out
+
+
+BIG = (9000, 1024)  # 36 MiB in fp32: above glibc's largest mmap threshold, so freed at once
+
+
+class Reinitialized(nn.Module):
+    """A parent that re-initializes its child's weight after the child was partitioned: one
+    gather and one release of a 36 MiB parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(BIG[1], BIG[0], bias=False)
+        with torch.no_grad():
+            self.child.weight.normal_()
+
+
+def construct_under_limit():
+    """Build Reinitialized under zero.Init with RLIMIT_DATA at 2.2 times the big weight above
+    what the rank holds: one full value and one slice at a time fit ([Note: construction
+    memory] in init.py); a copy of the full value beside it, or a second slice, would not."""
+    import resource
+
+    import zero
+
+    big = math.prod(BIG) * 4
+    with open("/proc/self/status") as status:
+        held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (held + int(2.2 * big), hard))
+    try:
+        with zero.Init():
+            model = Reinitialized()
+        return model.child.weight.zero_shard.data.numel()
+    except RuntimeError as error:  # torch's allocator: "DefaultCPUAllocator: can't allocate"
+        return str(error).splitlines()[0]
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -241,6 +279,12 @@ def test_values_equal_an_ordinary_construction_on_rank_0(per_rank):
         assert res["nvme"] is None  # zero.Init keeps shards on the host under nvme offload
         assert res["nested"] == 3 * DIM * DIM and res["nested_after"] == 0
         assert res["requires_grad"].count(False) == 2  # the frozen layer
+
+
+def test_construction_holds_one_full_value_at_a_time(per_rank):
+    world, results = per_rank
+    for res in results:
+        assert res["construction_memory"] == -(-math.prod(BIG) // world)
 
 
 def test_each_rank_holds_its_slice_from_the_moment_a_module_is_built(per_rank):
