@@ -2,6 +2,7 @@ r"""zero stages 0-3 beside torch DDP, FSDP2 and DeepSpeed stages 0-3, round by r
 
     python benchmarks/side_by_side.py --rounds 5 --steps_per_round 2 --json side_by_side.json
     python benchmarks/side_by_side.py --device cuda --dtype bf16     # GPUs: nccl, bf16
+    python benchmarks/side_by_side.py --compile                      # and compiled twins
 
 Spawns --world_size ranks once (gloo and --threads intra-op threads per rank on the CPU, nccl on
 cuda:rank on GPUs). Every rank builds every selected system from the same seed on the same GPT
@@ -14,7 +15,16 @@ decay zero resolves, 0.0), gradient clipping 1.0, gradient_accumulation_steps 1:
 - fsdp2: fully_shard per transformer block, then the root;
 - ds0..ds3: deepspeed.initialize with the same config dict as zero (DS_ACCELERATOR=cpu on the
   CPU); skipped, with the reason printed, when deepspeed cannot be imported or initialized;
-- local (only when named in --systems): each rank trains alone, no communication: the floor.
+- local (only when named in --systems): each rank trains alone, no communication: the floor;
+- <system>_compiled (--compile adds the twin of every selected system but local; or name them
+  in --systems), torch.compile with --compile_backend (default inductor): zero<s>_compiled
+  and ds<s>_compiled call engine.compile() (zero: the whole forward at stages 0-2, each block's
+  forward at stage 3, engine/compiler.py); ddp_compiled is torch.compile(DDP(model)) (Dynamo's
+  DDPOptimizer splits the graph at bucket boundaries); fsdp2_compiled compiles each sharded
+  block's forward, FSDP2's hooks staying outside, as torchtitan does.
+
+Compiling happens in a system's first step: "first step ms" holds it (the compile time is the
+first step less the median step), timed apart from the rounds, whose steps run compiled graphs.
 
 bf16 (--dtype bf16): zero and DeepSpeed get the config's bf16 block; DDP runs torch.autocast,
 FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). All systems stay alive; after
@@ -70,6 +80,7 @@ from zero.config import ZeroConfig  # noqa: E402
 from zero.optim import resolve_optimizer  # noqa: E402
 
 SYSTEMS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2", "ds0", "ds1", "ds2", "ds3")
+COMPILED = "_compiled"  # suffix of a system's torch.compile twin (--compile)
 # Not in the default set: each rank trains its own copy with no communication at all (torch's
 # AdamW loop on its micro-batch), the compute floor no engine's step can go below.
 FLOOR = "local"
@@ -79,7 +90,22 @@ TARGETS = (
     + [(f"zero{s}", f"ds{s}", 0.80) for s in range(4)]
     + [("zero3", "fsdp2", 0.85)]
 )
+TARGETS += [(num + COMPILED, den + COMPILED, target) for num, den, target in TARGETS]
 LOSS_TOL = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+class Backend:
+    """--compile_backend, one instance per compiled system: Dynamo caches a graph per backend
+    object, so each system compiles its own graphs in its first step (otherwise the first
+    system to compile GPT.forward would pay for every later one, whose first step would show no
+    compile time). Several systems compile the same code, more versions than Dynamo's default
+    recompile_limit (8) keeps: main() raises it."""
+
+    def __init__(self, name: str, system: str):
+        self.name, self.__name__ = name, f"{name} ({system})"
+
+    def __call__(self, graph, example_inputs, **kwargs):
+        return torch._dynamo.lookup_backend(self.name)(graph, example_inputs, **kwargs)
 
 
 @dataclass
@@ -92,6 +118,7 @@ class System:
     losses: list = field(default_factory=list)
     seconds: list = field(default_factory=list)  # timed steps only
     cpu_seconds: list = field(default_factory=list)  # this process's CPU time (all threads)
+    first_seconds: float | None = None  # the first step (compiled systems: compiling in it)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,6 +141,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(SYSTEMS)}, or {FLOOR} (no communication)",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help=f"add the torch.compile twin (<name>{COMPILED}) of every selected system but {FLOOR}",
+    )
+    parser.add_argument(
+        "--compile_backend", default="inductor", help="torch.compile backend of compiled systems"
+    )
+    parser.add_argument(
         "--reduce_bucket_size",
         type=int,
         default=None,
@@ -130,9 +165,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS) - {FLOOR})
+    unknown = sorted(set(args.systems) - set(SYSTEMS) - {s + COMPILED for s in SYSTEMS} - {FLOOR})
     if unknown:
-        parser.error(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}")
+        parser.error(
+            f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)} (each also as "
+            f"<name>{COMPILED}) or {FLOOR}"
+        )
+    if args.compile:
+        twins = [s + COMPILED for s in args.systems if s in SYSTEMS]
+        args.systems += [t for t in twins if t not in args.systems]
     if args.loss_tol is None:
         args.loss_tol = LOSS_TOL[args.dtype]
     if args.reduce_bucket_size is None:
@@ -141,8 +182,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----- building the systems ---------------------------------------------------------------------
-def build_zero(args, stage: int, params: dict, offload: bool = False) -> System:
-    """offload: optimizer state and step on the host (offload_optimizer cpu; stages 1-3)."""
+def build_zero(
+    args, stage: int, params: dict, offload: bool = False, compiled: bool = False
+) -> System:
+    """offload: optimizer state and step on the host (offload_optimizer cpu; stages 1-3);
+    compiled: engine.compile(backend=args.compile_backend)."""
     config = zero_config(args, stage, args.dtype, params)
     if offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -150,6 +194,8 @@ def build_zero(args, stage: int, params: dict, offload: bool = False) -> System:
     with zero.Init(config=config, enabled=stage == 3 and getattr(args, "partitioned_init", False)):
         model = build_model(args)
     engine, _, _, _ = zero.initialize(model=model, config=config)
+    if compiled:
+        engine.compile(backend=Backend(args.compile_backend, f"zero{stage}"))
 
     def step(x, y):
         loss = engine(x, y)
@@ -157,11 +203,13 @@ def build_zero(args, stage: int, params: dict, offload: bool = False) -> System:
         engine.step()
         return loss.detach()
 
-    return System(f"zero{stage}" + ("_offload" if offload else ""), step, engine)
+    name = f"zero{stage}" + ("_offload" if offload else "") + (COMPILED if compiled else "")
+    return System(name, step, engine)
 
 
-def build_deepspeed(args, stage: int, params: dict) -> System:
-    """deepspeed.initialize on the config dict zero gets; DS_ACCELERATOR is set by main()."""
+def build_deepspeed(args, stage: int, params: dict, compiled: bool = False) -> System:
+    """deepspeed.initialize on the config dict zero gets; DS_ACCELERATOR is set by main().
+    compiled: DeepSpeed's engine.compile(backend=args.compile_backend)."""
     import deepspeed
     from deepspeed.utils import logger
 
@@ -173,6 +221,8 @@ def build_deepspeed(args, stage: int, params: dict) -> System:
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
+    if compiled:
+        engine.compile(backend=Backend(args.compile_backend, f"ds{stage}"))
 
     def step(x, y):
         loss = engine(x, y)
@@ -180,21 +230,64 @@ def build_deepspeed(args, stage: int, params: dict) -> System:
         engine.step()
         return loss.detach()
 
-    return System(f"ds{stage}", step)
+    return System(f"ds{stage}" + (COMPILED if compiled else ""), step)
+
+
+def build_ddp_compiled(args, params: dict, bucket_cap_mb: float, device) -> System:
+    """torch.compile(DDP(model)): Dynamo's DDPOptimizer compiles one graph per gradient bucket
+    so DDP's all-reduces still overlap backward; AdamW and clipping as for ddp."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_model(args).to(device)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
+    compiled = torch.compile(ddp, backend=Backend(args.compile_backend, "ddp"))
+
+    def forward(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            return compiled(x, y)
+
+    optimizer = torch_adamw(ddp.parameters(), params)
+    return System("ddp" + COMPILED, torch_step(forward, ddp, optimizer))
+
+
+def build_fsdp2_compiled(args, params: dict, device) -> System:
+    """FSDP2 as fsdp2 (fully_shard per block, then the root), each block's forward compiled
+    after sharding: FSDP2's all-gather / reshard hooks run eagerly around the compiled block."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build_model(args).to(device)
+    policy = MixedPrecisionPolicy()
+    if args.dtype == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+        backend = Backend(args.compile_backend, "fsdp2")
+        block.forward = torch.compile(block.forward, backend=backend)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch_adamw(model.parameters(), params)
+    return System("fsdp2" + COMPILED, torch_step(model, model, optimizer))
 
 
 def build_one(args, name: str, params: dict, device) -> System:
-    """The system called `name` (SYSTEMS, or zero<s>_offload) on `device`."""
-    if name.startswith("zero"):
-        return build_zero(args, int(name[4]), params, offload=name.endswith("_offload"))
-    if name.startswith("ds"):
-        return build_deepspeed(args, int(name[-1]), params)
-    if name == FLOOR:
+    """The system called `name` (SYSTEMS, zero<s>_offload, or either + COMPILED) on `device`."""
+    compiled = name.endswith(COMPILED)
+    base = name.removesuffix(COMPILED)
+    if base.startswith("zero"):
+        offload = base.endswith("_offload")
+        return build_zero(args, int(base[4]), params, offload=offload, compiled=compiled)
+    if base.startswith("ds"):
+        return build_deepspeed(args, int(base[-1]), params, compiled)
+    if base == FLOOR:
         model = build_model(args).to(device)
         return System(name, torch_step(model, model, torch_adamw(model.parameters(), params)))
-    if name == "ddp":
+    if base == "ddp":
         bucket_cap_mb = args.reduce_bucket_size * 4 / 2**20  # fp32 gradients in both dtypes
+        if compiled:
+            return build_ddp_compiled(args, params, bucket_cap_mb, device)
         return System(name, build_ddp(args, args.dtype, params, bucket_cap_mb, device))
+    if compiled:
+        return build_fsdp2_compiled(args, params, device)
     return System(name, build_fsdp2(args, args.dtype, params, device)[0])
 
 
@@ -218,7 +311,10 @@ def run_rounds(args, systems: dict[str, System], batches, device) -> None:
     rotated by one each round so no system always follows the same one."""
     for system in systems.values():
         for x, y in batches[: args.warmup]:
-            system.losses.append(timed_step(system.step, x, y, device)[1])
+            seconds, loss = timed_step(system.step, x, y, device)
+            system.losses.append(loss)
+            if system.first_seconds is None:
+                system.first_seconds = seconds
     names = list(systems)
     for r in range(args.rounds):
         shift = r % len(names)
@@ -228,6 +324,8 @@ def run_rounds(args, systems: dict[str, System], batches, device) -> None:
                 x, y = batches[len(system.losses)]
                 cpu = time.process_time()
                 seconds, loss = timed_step(system.step, x, y, device)
+                if system.first_seconds is None:  # no warm-up: compiling is in this one
+                    system.first_seconds = seconds
                 system.cpu_seconds.append(time.process_time() - cpu)
                 system.seconds.append(seconds)
                 system.losses.append(loss)
@@ -268,6 +366,7 @@ def paper_figures(args, systems: dict[str, System]) -> dict:
         state = system.engine.model_state_bytes()
         per_psi, formula_name = formula(stage, args.dtype, args.world_size)
         out[name] = {
+            "stage": stage,
             "psi": psi,
             "comm_elements_per_psi": sum(op["elements"] for op in comm.values()) / psi,
             "paper_comm_per_psi": paper_comm(stage),
@@ -313,18 +412,20 @@ def print_report(result: dict) -> None:
     for name, reason in result["skipped"].items():
         print(f"skipped {name}: {reason}")
     print(
-        "\n| system | median step ms | min | max | CPU ms per step | last loss "
+        "\n| system | median step ms | min | max | CPU ms per step | first step ms | last loss "
         "| max abs loss diff vs DDP |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, s in result["systems"].items():
         parity = result["loss"].get(name, {})
         diff = parity.get("max_abs_diff_vs_ddp")
         check = "" if diff is None else f"{diff:.2e} ({'PASS' if parity['pass'] else 'MISS'})"
         print(
             f"| {name} | {s['median_ms']:.1f} | {min(s['step_ms']):.1f} | {max(s['step_ms']):.1f} "
-            f"| {s['cpu_ms']:.1f} | {parity.get('last_loss', float('nan')):.6f} | {check} |"
+            f"| {s['cpu_ms']:.1f} | {s['first_ms']:.0f} "
+            f"| {parity.get('last_loss', float('nan')):.6f} | {check} |"
         )
+    print_compiled(result)
     print("\n| ratio | median step time ratio | target | result | CPU time ratio |")
     print("|---|---|---|---|---|")
     for r in result["ratios"]:
@@ -341,16 +442,49 @@ def print_report(result: dict) -> None:
         print("|---|---|---|---|---|---|---|---|")
     for name, p in result["paper"].items():
         print(
-            f"| {name[-1]} | {p['comm_elements_per_psi']:.6f} | {p['kept_per_psi']:.6f} "
+            f"| {name.removeprefix('zero')} | {p['comm_elements_per_psi']:.6f} "
+            f"| {p['kept_per_psi']:.6f} "
             f"| {p['paper_comm_per_psi']} "
             f"| {p['model_state_bytes']:,} | {p['formula_bytes']:,.0f} | {p['formula']} "
             f"| {p['model_state_bytes'] / p['formula_bytes']:.4f} |"
         )
 
 
+def compiled_table(systems: dict) -> dict:
+    """Per compiled system: compile seconds (its first step less its median step), its median
+    step beside its eager twin's (when that ran) and their ratio."""
+    out = {}
+    for name, s in systems.items():
+        if not name.endswith(COMPILED):
+            continue
+        eager = systems.get(name.removesuffix(COMPILED))
+        row = {"compile_s": (s["first_ms"] - s["median_ms"]) / 1000.0, "median_ms": s["median_ms"]}
+        if eager is not None:
+            row.update(
+                eager_median_ms=eager["median_ms"], ratio=s["median_ms"] / eager["median_ms"]
+            )
+        out[name] = row
+    return out
+
+
+def print_compiled(result: dict) -> None:
+    if not result["compiled"]:
+        return
+    print(
+        f"\n| compiled system ({result['args']['compile_backend']}) | compile s (first step - "
+        "median) | median step ms | eager median step ms | compiled / eager |"
+    )
+    print("|---|---|---|---|---|")
+    for name, row in result["compiled"].items():
+        eager = row.get("eager_median_ms")
+        tail = f"{eager:.1f} | {row['ratio']:.3f}" if eager is not None else "- | -"
+        print(f"| {name} | {row['compile_s']:.1f} | {row['median_ms']:.1f} | {tail} |")
+
+
 # ----- per rank ---------------------------------------------------------------------------------
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     device = init_rank(rank, args.world_size, port, args.device, args.threads)
+    torch._dynamo.config.recompile_limit = 64  # see Backend
     try:
         load_before = os.getloadavg()
         systems, skipped = build_systems(args, device)
@@ -369,6 +503,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
                 n: {
                     "median_ms": medians[n],
                     "cpu_ms": cpu[n],
+                    "first_ms": 1000.0 * s.first_seconds,
                     "step_ms": [1000.0 * t for t in s.seconds],
                 }
                 for n, s in systems.items()
@@ -377,6 +512,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             "loss": loss_parity(args, systems, device),
             "paper": paper_figures(args, systems),
         }
+        result["compiled"] = compiled_table(result["systems"])
         if rank == 0:
             print_report(result)
             if args.json:

@@ -121,6 +121,8 @@ def initialize(
             collate_fn=collate_fn,
         )
     engine.training_dataloader = loader  # DeepSpeed's name; save_checkpoint saves its state
+    if cfg.checkpoint.auto_resume and not engine.inference_only:
+        engine.resume_latest(cfg.checkpoint.save_dir)  # after the loader: it resumes too
     optimizer = None if engine.inference_only else engine.optimizer
     return engine, optimizer, loader, engine.lr_scheduler
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .accelerator import Accelerator
 from .comm import Communicator, Intent
+from .compiler import compile_model, refuse_compiled_model
 from .errors import listed
 from .monitor import StepMonitor, ThroughputTimer, summary_writer_class
 from .offload import nvme, param_swap
@@ -34,6 +35,7 @@ from .optim.lr_schedules import build_scheduler
 from .optim.precision import LossScaler
 from .partition import gathered
 from .partition.flat import FlatLayout
+from .partition.hierarchy import num_shards, partition_groups
 from .partition.init import (
     full_numel,
     full_shape,
@@ -103,12 +105,14 @@ class Engine(torch.nn.Module):
     ):
         super().__init__()
         self._destroyed = False  # close() / destroy() ran: training calls raise
+        self._compiled = None  # engine.compile()'s compiler.Compiled
         self._listing_state = False  # stage 3: state_dict() lists entries without gathering
         self.config = config
         self.comm = comm
         self.accelerator = accelerator
         self.module = model
         refuse_meta(model, comm.rank)  # e.g. built under torch.device("meta"), never loaded
+        refuse_compiled_model(model, config.zero.stage, comm.rank)  # engine.compile() instead
         _refuse_trained(model, comm.rank)  # laid out by another engine that was not closed
         _refuse_placeholders(model, comm.rank)  # laid out by another stage-3 engine
         _mark_leaf_names(model, config.zero)  # before the fingerprint, which counts leaves
@@ -164,6 +168,8 @@ class Engine(torch.nn.Module):
         state_bytes = (state_bytes_per_element(optimizer) or 8) if trains else 0
         units, unit_of = self._fetch_units(trains, state_bytes)
         self.bucket_sizes = self._bucket_sizes(trains, state_bytes)
+        # MiCS shard / replica groups, hpZ's secondary group (partition/hierarchy.py)
+        groups = self.partition_groups = partition_groups(comm, config.zero)
         self.optimizer = ZeroOptimizer(
             named_groups,
             optimizer,
@@ -180,6 +186,7 @@ class Engine(torch.nn.Module):
             comm,
             self.scaler,
             config.compute_dtype,
+            groups,
         )
         self.gatherer = None
         self.frozen = None  # stage 3: FrozenShards, the partitioned frozen parameters
@@ -189,7 +196,7 @@ class Engine(torch.nn.Module):
                 self.frozen = FrozenShards(
                     frozen,
                     nvme.sub_group_bucket_numel(config, self._num_shards()),
-                    comm,
+                    groups.shard,
                     unit_of,
                     config.compute_dtype,
                     self._offload_param is not None,
@@ -199,7 +206,7 @@ class Engine(torch.nn.Module):
             self.gatherer = ParamGatherer(
                 self.module,
                 units,
-                comm,
+                groups.shard,
                 config.compute_dtype,
                 accelerator.device,
                 prefetch_numel=self.fetch.prefetch_numel,
@@ -207,6 +214,7 @@ class Engine(torch.nn.Module):
                 max_reuse_numel=self.fetch.max_reuse_numel,
             )
             self.gatherer.param_swap = self.optimizer.param_swap
+            self.gatherer.secondary = groups.secondary
             self.gatherer.attach(
                 self.optimizer.buckets + (self.frozen.buckets if self.frozen else [])
             )
@@ -216,9 +224,9 @@ class Engine(torch.nn.Module):
                     # read (`p.ds_numel if hasattr(p, "ds_numel") else p.numel()`)
                     name_full_size(param, slot.shape)
             # Gradients get a process group of their own; an engine without an optimizer has none
-            reduce_comm = comm
+            reduce_comm = groups.shard
             if self.optimizer.trains:
-                reduce_comm = comm.sibling("reduce-scatter", config.agreement_timeout)
+                reduce_comm = groups.shard.sibling("reduce-scatter", config.agreement_timeout)
             self.optimizer.attach_gatherer(self.gatherer, reduce_comm)
             if agreement is not None:
                 self.gatherer.agreement = agreement
@@ -249,6 +257,10 @@ class Engine(torch.nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._step_applied = False
+        # checkpoint.save_interval_* (checkpoint/periodic.py); None when not configured.
+        from .checkpoint.periodic import PeriodicCheckpointer
+
+        self.periodic = PeriodicCheckpointer.from_config(config)
         self._cast_rest(config.compute_dtype)
         # ----- observability (engine/monitor.py, planning/memory.py; docs/observability.md) -----
         # Construction traffic (broadcast of rank 0's weights, the stage-3 persistent unit's
@@ -301,7 +313,7 @@ class Engine(torch.nn.Module):
         return sizes
 
     def _num_shards(self) -> int:
-        return 1 if self.config.zero.stage == 0 else self.comm.world_size
+        return num_shards(self.config.zero, self.comm.world_size)
 
     def _model_parallel_norm(self, mpu):
         """With tensor parallelism, the gradient norm counts each model-parallel slice and each
@@ -649,6 +661,8 @@ class Engine(torch.nn.Module):
             self.global_samples += self.config.train_batch_size
             self.comm.ledger.end_step()
             self.monitor.on_step(self)
+            if self.periodic is not None:
+                self.periodic.after_step(self)
         self.tput_timer.stop(global_step=boundary, report_speed=False)
         self._end_micro_batch()
 
@@ -986,6 +1000,7 @@ class Engine(torch.nn.Module):
                 "without exclude_frozen_parameters (every parameter is then written)"
             )
         self._enter("save_checkpoint", int(exclude))
+        self._finish_periodic_save()
         return checkpoint.save(
             self, os.fspath(save_dir), tag, client_state or {}, save_latest, exclude
         )
@@ -1024,6 +1039,7 @@ class Engine(torch.nn.Module):
         from . import checkpoint
 
         self._refuse_destroyed("load_checkpoint")
+        self._finish_periodic_save()
         load_dir = os.fspath(load_dir)
         nothing = tag is None and not os.path.lexists(os.path.join(load_dir, checkpoint.LATEST))
         self._enter("load_checkpoint", int(nothing))
@@ -1053,6 +1069,25 @@ class Engine(torch.nn.Module):
             load_module_only,
         )
 
+    def resume_latest(self, load_dir):
+        """Resume from the checkpoint `latest` names in load_dir, saved at any world size, with
+        the same global batch (train_batch_size; gradient_accumulation_steps adapts); nothing
+        to load (a first run) returns (None, None). What checkpoint.auto_resume does in
+        zero.initialize. Collective: every rank must call it. Raises ValueError naming both
+        sizes when train_batch_size differs from the checkpoint's, and what load_checkpoint
+        raises. See checkpoint/periodic.py resume_latest and docs/checkpoints.md."""
+        from .checkpoint.periodic import resume_latest
+
+        self._refuse_destroyed("resume_latest")
+        return resume_latest(self, os.fspath(load_dir))
+
+    def _finish_periodic_save(self) -> None:
+        # A background periodic save must be published before another save or a load reads
+        # or moves `latest` (checkpoint/periodic.py).
+        periodic = getattr(self, "periodic", None)  # close() of a half-built engine
+        if periodic is not None:
+            periodic.wait()
+
     def close(self) -> None:
         """Detach the engine from the model and release what it holds; DeepSpeed's destroy()
         is the same call. Not a collective; idempotent.
@@ -1080,7 +1115,13 @@ class Engine(torch.nn.Module):
         RuntimeError, as does zero.initialize on it."""
         if self._destroyed:
             return
+        try:
+            self._finish_periodic_save()
+        except Exception as error:  # close() does not raise; the previous checkpoint stands
+            logger.error("rank %d: %s", self.comm.rank, error)
         self._destroyed = True
+        if self._compiled is not None:
+            self._compiled.restore()  # the model's own forward again
         keep = ("_load_state_dict_pre_hooks",) if self.gatherer is not None else ()
         for owner, table, key in self._added_hooks:
             if table not in keep:
@@ -1097,6 +1138,45 @@ class Engine(torch.nn.Module):
     def destroy(self) -> None:
         """DeepSpeed's engine.destroy(): see close(), which it calls. Not a collective."""
         self.close()
+
+    def compile(
+        self,
+        backend="inductor",
+        compile_kwargs: dict | None = None,
+        schedule=None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """torch.compile the model's forward; DeepSpeed's engine.compile (accelerate's dynamo
+        plugin calls it). Stages 0-2 compile the whole forward; stage 3 compiles each block's
+        forward (a fetch unit holding its own parameters), so gathers and releases run eagerly
+        between compiled blocks ([Note: what is compiled] in compiler.py). `backend` (a name or a
+        callable) and `compile_kwargs` (mode, fullgraph, dynamic, options) go to torch.compile;
+        tracing happens at the next forward. Idempotent: a second call does nothing
+        (is_compiled). The config's `compile` block is read (deepcompile selects this same
+        compile). Not a collective, but every rank should compile alike (each compiles its own
+        graphs in its first forward).
+
+        Raises NotImplementedError for `schedule` (DeepCompile's passes) and for
+        compiled_autograd_enabled=True, TypeError for a compile_kwargs key torch.compile does
+        not take, RuntimeError after destroy()."""
+        self._refuse_destroyed("compile")
+        if self._compiled is not None:
+            return
+        self._compiled = compile_model(
+            self.module,
+            self.gatherer,
+            self.config,
+            backend,
+            compile_kwargs,
+            schedule,
+            compiled_autograd_enabled,
+            self.comm.rank,
+        )
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether engine.compile() ran (DeepSpeed's engine.is_compiled)."""
+        return self._compiled is not None
 
     def _refuse_without_optimizer(self, method: str) -> None:
         """RuntimeError naming why a ZeRO-Inference engine has no optimizer, before any
@@ -1237,8 +1317,13 @@ class Engine(torch.nn.Module):
 
     def comm_stats(self) -> dict:
         """Collective traffic of the last optimizer step on this rank: op -> {calls, elements,
-        bytes}; elements in the paper's units (an all-reduce counts twice its size)."""
-        stats = {op: vars(t).copy() for op, t in self.comm.ledger.last_step.items()}
+        bytes, intra_elements, intra_bytes, inter_elements, inter_bytes}; elements in the paper's
+        units (an all-reduce counts twice its size), split into what stays on this rank's node
+        and what crosses nodes ([Note: intra- and inter-node volume] in comm/topology.py)."""
+        stats = {}
+        for op, t in self.comm.ledger.last_step.items():
+            intra = {"intra_elements": t.intra_elements, "intra_bytes": t.intra_bytes}
+            stats[op] = {**vars(t), **intra}
         if self.comm.timing is None:  # seconds only when comms_logger times collectives
             for totals in stats.values():
                 totals.pop("seconds")
@@ -1250,11 +1335,16 @@ class Engine(torch.nn.Module):
         optimizer trains (all of them in an engine built without an optimizer: stage 3 its
         shards, stages 0-2 whole tensors), gradients in data_types.grad_accum_dtype, fp32
         masters, optimizer state; what nvme offload keeps in files counts 0 here, see
-        engine.optimizer.nvme_bytes(). Not a collective."""
+        engine.optimizer.nvme_bytes(). With hpZ (zero_hpz_partition_size > 1) also
+        "secondary_params": the secondary parameter shards ([Note: hpZ] in
+        partition/hierarchy.py), made by the first forward. Not a collective."""
         from .planning.memory import frozen_param_bytes
 
         held = self.optimizer.model_state_bytes()
-        return {"params": held["params"], "frozen_params": frozen_param_bytes(self), **held}
+        out = {"params": held["params"], "frozen_params": frozen_param_bytes(self), **held}
+        if self.gatherer is not None and self.gatherer.secondary is not None:
+            out["secondary_params"] = self.gatherer.secondary_bytes()
+        return out
 
     def memory_report(self) -> dict:
         """Bytes this rank holds per model-state category, measured from zero's tensors, next

@@ -276,6 +276,14 @@ def persistent_numel(gatherer) -> int:
     )
 
 
+def _replica_psi(engine) -> float:
+    """MiCS's replica all-reduce per optimizer step in Psi: 2 / mics_shard_size (0 without)."""
+    groups = getattr(engine, "partition_groups", None)
+    if groups is None or groups.replica is None:
+        return 0.0
+    return 2.0 / engine.optimizer.layout.num_shards
+
+
 def comms_report(
     ledger_step: dict,
     psi: int,
@@ -285,31 +293,41 @@ def comms_report(
     persistent: int = 0,
     kept: int = 0,
     frozen: int = 0,
+    replica_psi: float = 0.0,
 ) -> tuple[str, bool]:
     """The comms ledger of one optimizer step as text, and whether the total deviates from the
     paper's expectation (estimator.comm_psi, with `persistent` of the `psi` elements in stage 3's
     persistent unit, less the `kept` elements stage 3 kept gathered from a forward to its
     backward, [Note: reuse distance]) by more than 1%. `ledger_step`: op -> OpTotals. `psi`
     counts trainable parameters: the `frozen` elements stage 3 all-gathered for frozen ones are
-    left out of the total and named beside it."""
-    lines = [f"comms rank {rank}: {'op':<16}{'calls':>7}{'elements':>14}{'bytes':>15}{'ms':>10}"]
-    total = 0
+    left out of the total and named beside it. `replica_psi`: MiCS's replica all-reduce per step,
+    in Psi (2 / mics_shard_size; partition/hierarchy.py). Each op's bytes that crossed nodes
+    are in the "inter bytes" column, their total in Psi on the last line (comm/topology.py)."""
+    lines = [
+        f"comms rank {rank}: {'op':<16}{'calls':>7}{'elements':>14}{'bytes':>15}"
+        f"{'inter bytes':>15}{'ms':>10}"
+    ]
+    total = inter = 0
     for op, t in sorted(ledger_step.items()):
         total += t.elements
+        inter += t.inter_elements
         lines.append(
             f"comms rank {rank}: {op:<16}{t.calls:>7}{t.elements:>14,}{t.bytes:>15,}"
-            f"{t.seconds * 1e3:>10.2f}"
+            f"{t.inter_bytes:>15,}{t.seconds * 1e3:>10.2f}"
         )
     expected = comm_psi(stage, gas, persistent / psi, kept / gas / psi) if psi else 0.0
+    expected += replica_psi
     measured = (total - frozen) / psi if psi else 0.0
     deviates = abs(measured - expected) > 0.01 * expected
     flag = "  DEVIATION > 1%" if deviates else ""
     notes = f", {persistent:,} persistent" if stage == 3 and persistent else ""
     notes += f", {kept:,} kept for backward" if kept else ""
     frozen_note = f" + {frozen:,} elements of frozen parameters" if frozen else ""
+    notes += f", MiCS replica all-reduce {replica_psi:.4g} Psi" if replica_psi else ""
     lines.append(
         f"comms rank {rank}: total {measured:.4f} Psi (Psi={psi:,}){frozen_note}; "
-        f"expected {expected:.4g} Psi (stage {stage}, gradient accumulation {gas}{notes}){flag}"
+        f"expected {expected:.4g} Psi (stage {stage}, gradient accumulation {gas}{notes}){flag}; "
+        f"inter-node {inter / psi if psi else 0.0:.4f} Psi"
     )
     return "\n".join(lines), deviates
 
@@ -407,6 +425,7 @@ class StepMonitor:
                 persistent_numel(engine.gatherer),
                 engine.comm.ledger.last_kept,
                 engine.comm.ledger.last_frozen,
+                _replica_psi(engine),
             )
             logger.info(text)
         if self.config.memory_breakdown and not self._memory_reported:

@@ -306,7 +306,8 @@ def _full(target: _Target, shard: torch.Tensor, caller: str, key: str = "") -> t
     """The parameter's full value (shaped like it, on the compute device, a new tensor) from
     every rank's bucket-shaped `shard` ((shard_numel,), any dtype): one all-gather of the bucket
     over the data-parallel group when the bucket is sharded (collective, checked by _enter),
-    none at stage 0."""
+    none at stage 0. With MiCS the bucket is gathered over the shard group (optimizer.shard_comm,
+    partition/hierarchy.py)."""
     optimizer, bucket, slot = target
     shard = shard.to(target.device)
     if optimizer.layout.num_shards == 1:
@@ -314,7 +315,7 @@ def _full(target: _Target, shard: torch.Tensor, caller: str, key: str = "") -> t
     else:
         _enter(target, _GET, caller, key)
         full = torch.empty(bucket.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-        optimizer.comm.all_gather(full, shard)
+        optimizer.shard_comm.all_gather(full, shard)
     return full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
 
 

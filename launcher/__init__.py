@@ -16,8 +16,9 @@ import time
 from .cli import build_parser, resource_pool
 from .environment import env_file_paths, job_environment
 from .remote import RemoteOptions, remote_launches
+from .rendezvous import ElasticJob, node_range, rendezvous_options
 from .runner import JobRunner, JobSpec, Launch, local_launches
-from .world import WorldLayout, build_layout, is_local_host
+from .world import WorldLayout, build_layout, is_local_host, rendezvous_address
 
 __all__ = ["main"]
 
@@ -32,12 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
+        check_elastic_flags(args)
         layout = build_layout(resource_pool(args), args.master_addr, args.master_port)
         env = job_environment(dict(os.environ), env_file_paths(), args.env)
         job = JobSpec(
             script=args.script,
             script_args=tuple(args.script_args),
-            run_id=_run_id(args),
+            run_id=args.rdzv_id or _run_id(args),
             module=args.module,
             no_python=args.no_python,
             no_local_rank=args.no_local_rank,
@@ -45,12 +47,91 @@ def main(argv: list[str] | None = None) -> int:
             shutdown_timeout=args.shutdown_timeout,
             verbose=args.verbose,
             env=env,
+            nnodes=args.nnodes,
+            max_restarts=args.max_restarts,
+            rdzv_conf=args.rdzv_conf,
+            zrun_store=not args.no_ssh,
         )
+        if job.elastic:
+            layout = elastic_layout(args, layout)
         launches, remote = plan_launches(args, layout, job)
+        elastic = _host_store(layout, job) if job.elastic and job.zrun_store else None
     except (ValueError, FileNotFoundError, NotImplementedError) as error:
         print(f"zrun: error: {error}", file=sys.stderr)
         return 2
-    return JobRunner(launches, args.shutdown_timeout, report_failures=remote).run()
+    runner = JobRunner(launches, args.shutdown_timeout, report_failures=remote, elastic=elastic)
+    return runner.run()
+
+
+def check_elastic_flags(args) -> None:
+    """Check --nnodes, --max_restarts and --rdzv_conf; --nnodes N alone becomes --num_nodes N.
+
+    Raises:
+        ValueError: a malformed range or --rdzv_conf, --max_restarts < 0, --nnodes N beside a
+            different --num_nodes, MAX below the nodes selected (checked in elastic_layout).
+        NotImplementedError: elastic flags with --launcher openmpi (mpirun ends the whole job
+            when one of its processes dies, so no node can be lost).
+    """
+    if args.nnodes is not None and ":" not in args.nnodes:
+        count = node_range(args.nnodes, 1)[0]
+        if args.num_nodes not in (None, count):
+            raise ValueError(f"--nnodes {args.nnodes} and --num_nodes {args.num_nodes} differ")
+        args.num_nodes, args.nnodes = count, None
+    if args.max_restarts < 0:
+        raise ValueError(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    if args.nnodes is None and args.max_restarts == 0:
+        if args.rdzv_conf:
+            raise ValueError(
+                "--rdzv_conf needs an elastic job (--nnodes MIN:MAX or --max_restarts)"
+            )
+        return
+    node_range(args.nnodes, 1)
+    rendezvous_options(args.rdzv_conf)
+    if args.launcher == "openmpi" and not args.no_ssh:
+        raise NotImplementedError(
+            "--nnodes MIN:MAX and --max_restarts need a runner that lets the other nodes go on "
+            "when one is lost; mpirun ends the whole job when any of its processes dies. Use "
+            "--launcher ssh, pdsh or slurm, or drop the elastic flags"
+        )
+
+
+def elastic_layout(args, layout: WorldLayout) -> WorldLayout:
+    """The layout of an elastic job: its rendezvous address is zrun's machine, which hosts the
+    store ([Note: elastic rendezvous] in agent.py), unless --master_addr names another.
+
+    Raises:
+        ValueError: the hostfile selects more nodes than the range's MAX.
+    """
+    _, high = node_range(args.nnodes, layout.num_nodes)
+    if layout.num_nodes > high:
+        raise ValueError(
+            f"--nnodes {args.nnodes}: {layout.num_nodes} nodes are selected, more than MAX "
+            f"{high}; raise MAX or select fewer nodes (--num_nodes, --include)"
+        )
+    if args.master_addr is not None or args.no_ssh:
+        return layout
+    address = rendezvous_address([node.host for node in layout.nodes])
+    return dataclasses.replace(layout, master_addr=address)
+
+
+def _host_store(layout: WorldLayout, job: JobSpec) -> ElasticJob:
+    try:
+        elastic = ElasticJob(
+            layout.master_port, job.run_id, job.nnodes or str(layout.num_nodes), job.max_restarts
+        )
+    except RuntimeError as error:
+        raise ValueError(
+            f"cannot host the elastic rendezvous store on port {layout.master_port} "
+            f"(--master_port): {error}"
+        ) from None
+    low, high = node_range(job.nnodes, layout.num_nodes)
+    print(
+        f"zrun: elastic job: c10d rendezvous at {layout.master_addr}:{layout.master_port} "
+        f"(--rdzv_id {job.run_id}), {low} to {high} nodes, --max_restarts {job.max_restarts}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return elastic
 
 
 def _run_id(args) -> str:

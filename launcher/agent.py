@@ -18,6 +18,22 @@ started over closes (remote nodes): --exit_on_stdin_eof (ssh, pdsh: zrun keeps t
 stdin open for the whole job, so EOF means zrun or its ssh client is gone) and --exit_on_hangup
 (any runner: the reader of the agent's stdout/stderr pipe, sshd or srun's step daemon, is gone).
 The ranks get /dev/null as stdin, so only the agent holds the channel.
+
+[Note: elastic rendezvous]
+With --nnodes MIN:MAX (or --max_restarts > 0) the rendezvous is torch's dynamic one on the c10d
+backend: a TCPStore at MASTER_ADDR:MASTER_PORT holds its state. zrun, which outlives every node,
+hosts that store and every agent joins it as a client (--zrun_store: is_host false), so the loss
+of any node, node 0 included, leaves the rendezvous in place. When a rank fails (its own error,
+or a peer on a lost node), each surviving agent stops its ranks and joins the next round; the
+round completes with the nodes present (at least MIN, within last_call_timeout once MIN have
+joined; a lost node's entry expires after keep_alive_interval x keep_alive_max_attempt), node
+ranks and world size are assigned anew, and the ranks start again with
+TORCHELASTIC_RESTART_COUNT one higher, at most --max_restarts times. A node that joins a running
+job (up to MAX) makes the running nodes restart so that the next round admits it. Each round's
+rank-0 node serves the ranks' own store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh
+MASTER_ADDR:MASTER_PORT per round, so no round uses a store of a node that is gone). When the
+ranks succeed the agent records it in zrun's store, which is how zrun tells a finished job from
+a lost node under runners that report one exit code for all nodes (pdsh, srun).
 """
 
 import argparse
@@ -35,15 +51,20 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import psutil
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import static_tcp_rendezvous  # noqa: F401
+from torch.distributed.elastic.rendezvous import (  # noqa: F401 (registers the backends)
+    c10d_rendezvous_backend,
+    static_tcp_rendezvous,
+)
 from torch.distributed.elastic.utils import macros
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from .rendezvous import node_range, rendezvous_options, succeeded_key
 from .world import parse_nodes
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -102,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--exit_on_stdin_eof", action="store_true", help="stdin is the channel")
     parser.add_argument("--exit_on_hangup", action="store_true", help="exit when stdout closes")
     parser.add_argument("--verbose", action="store_true", help="show the elastic agent's log")
+    parser.add_argument("--nnodes", default=None, help="MIN:MAX: elastic, c10d rendezvous")
+    parser.add_argument("--max_restarts", type=int, default=0, help="restarts of the ranks")
+    parser.add_argument("--rdzv_conf", default="", help="c10d rendezvous options 'k=v,k2=v2'")
+    parser.add_argument("--local_addr", default=None, help="address other nodes reach this at")
+    parser.add_argument(
+        "--zrun_store", action="store_true", help="zrun hosts the c10d store; report success"
+    )
     parser.add_argument("script", help="training script, module or executable")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
     return parser
@@ -161,8 +189,12 @@ def rank_command(args: argparse.Namespace, local_rank_arg: str) -> list[str]:
 
 
 def configure_environment(args: argparse.Namespace) -> None:
-    """Set the variables every rank of this node inherits (the user's own values win for OMP)."""
-    os.environ["NODE_RANK"] = str(args.node_rank)
+    """Set the variables every rank of this node inherits (the user's own values win for OMP).
+    Elastic: no NODE_RANK (each rendezvous round assigns node ranks anew: GROUP_RANK)."""
+    if is_elastic(args):
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # [Note: elastic rendezvous]
+    else:
+        os.environ["NODE_RANK"] = str(args.node_rank)
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(omp_num_threads(args.nproc_per_node))
     if args.device_ids is not None:
@@ -265,7 +297,14 @@ def _quiet_elastic_logs(verbose: bool) -> None:
             logging.getLogger(name).setLevel(level)
 
 
+def is_elastic(args: argparse.Namespace) -> bool:
+    """Whether the node joins a dynamic (c10d) rendezvous: a node range or restarts."""
+    return args.nnodes is not None or args.max_restarts > 0
+
+
 def _launch_config(args: argparse.Namespace, work_dir: str) -> LaunchConfig:
+    if is_elastic(args):
+        return _elastic_launch_config(args, work_dir)
     return LaunchConfig(
         min_nodes=args.num_nodes,
         max_nodes=args.num_nodes,
@@ -280,6 +319,40 @@ def _launch_config(args: argparse.Namespace, work_dir: str) -> LaunchConfig:
         # Elastic keeps its per-rank error files here; a default one would outlive the job.
         logs_specs=DefaultLogsSpecs(log_dir=work_dir),
     )
+
+
+def _elastic_launch_config(args: argparse.Namespace, work_dir: str) -> LaunchConfig:
+    # [Note: elastic rendezvous]
+    min_nodes, max_nodes = node_range(args.nnodes, args.num_nodes)
+    options = {"join_timeout": args.rdzv_timeout, **rendezvous_options(args.rdzv_conf)}
+    if args.zrun_store:
+        options["is_host"] = False
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=args.nproc_per_node,
+        run_id=args.run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{args.master_addr}:{args.master_port}",
+        rdzv_configs=options,
+        max_restarts=args.max_restarts,
+        monitor_interval=0.1,
+        local_addr=args.local_addr or args.node_name,
+        shutdown_timeout=args.shutdown_timeout,
+        logs_specs=DefaultLogsSpecs(log_dir=work_dir),
+    )
+
+
+def report_success(args: argparse.Namespace) -> None:
+    """Tell zrun (through the store it hosts) that this node's ranks succeeded; a zrun that is
+    already gone is no error."""
+    from torch.distributed import TCPStore
+
+    with contextlib.suppress(Exception):
+        store = TCPStore(
+            args.master_addr, args.master_port, is_master=False, timeout=timedelta(seconds=10)
+        )
+        store.set(succeeded_key(args.run_id), args.node_name)
 
 
 class ExitClock:
@@ -346,11 +419,21 @@ def run_ranks(args: argparse.Namespace, work_dir: str) -> int:
         elastic_launch(_launch_config(args, work_dir), command[0])(*command[1:])
     except ChildFailedError as error:
         failure = first_failure(error, args, clock)
-        print(f"zrun: {failure.describe()}", file=sys.stderr, flush=True)
+        print(f"zrun: {failure.describe()}{_restarts_note(args)}", file=sys.stderr, flush=True)
         return failure.process_exit_code
     except SignalException as error:
         return 128 + int(error.sigval)
+    if args.zrun_store:
+        report_success(args)
     return 0
+
+
+def _restarts_note(args: argparse.Namespace) -> str:
+    if not is_elastic(args):
+        return ""
+    if args.max_restarts == 0:
+        return " (--max_restarts 0: no restart)"
+    return f" after {args.max_restarts} restart(s), the limit (--max_restarts {args.max_restarts})"
 
 
 def _raise_signal_exception(signum: int, _frame) -> None:
@@ -371,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
             f"--nproc_per_node and --num_nodes must be >= 1, got {args.nproc_per_node} "
             f"and {args.num_nodes}"
         )
+    node_range(args.nnodes, args.num_nodes)  # a bad range fails before anything starts
+    if args.max_restarts < 0:
+        raise ValueError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
     work_dir = tempfile.mkdtemp(prefix="zrun-agent-")

@@ -86,6 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when ending ranks (default 5)",
     )
     add("--verbose", action="store_true", help="show the elastic agent's own log")
+    add(
+        "--nnodes",
+        default=None,
+        metavar="MIN:MAX",
+        help="elastic: go on with MIN..MAX nodes (c10d rendezvous hosted by zrun); "
+        "N alone is --num_nodes N",
+    )
+    add(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart the ranks (from the last checkpoint) up to N times after a failure; "
+        "elastic (default 0: the first failure ends the job)",
+    )
+    add(
+        "--rdzv_conf",
+        default="",
+        metavar="K=V,...",
+        help="elastic rendezvous options (torchrun's): join_timeout, last_call_timeout, "
+        "keep_alive_interval, keep_alive_max_attempt, close_timeout, read_timeout",
+    )
+    add("--rdzv_id", default=None, help="elastic: rendezvous id (default: a fresh one per zrun)")
     add("script", help="training script (or module with -m, or executable with --no_python)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser

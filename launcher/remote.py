@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, replace
 
-from .runner import JobSpec, Launch, job_flags
+from .runner import JobSpec, Launch, job_flags, local_address_flags
 from .world import NodeSpec, WorldLayout, format_nodes
 
 LAUNCHERS = ("ssh", "pdsh", "slurm", "openmpi")
@@ -94,13 +94,20 @@ def pdsh_environment(environ: dict[str, str], options: RemoteOptions) -> dict[st
 
 
 def srun_command(
-    layout: WorldLayout, env: dict[str, str], argv: list[str], options: RemoteOptions
+    layout: WorldLayout,
+    env: dict[str, str],
+    argv: list[str],
+    options: RemoteOptions,
+    elastic: bool = False,
 ) -> list[str]:
-    """``srun`` with one task (one agent) per node of the layout, no shell in between."""
+    """``srun`` with one task (one agent) per node of the layout, no shell in between. Elastic:
+    a failed task or node does not end the step (--kill-on-bad-exit=0 --no-kill), so the
+    agents of the other nodes go on."""
     hosts = ",".join(node.host for node in layout.nodes)
     count = str(layout.num_nodes)
     command = ["srun", "--nodes", count, "--ntasks", count, "--ntasks-per-node", "1"]
-    command += ["--nodelist", hosts, "--kill-on-bad-exit=1", *options.launcher_args]
+    kill = ["--kill-on-bad-exit=0", "--no-kill"] if elastic else ["--kill-on-bad-exit=1"]
+    command += ["--nodelist", hosts, *kill, *options.launcher_args]
     return [*command, "env", *(f"{k}={v}" for k, v in env.items()), *argv]
 
 
@@ -140,14 +147,16 @@ def remote_launches(layout: WorldLayout, job: JobSpec, options: RemoteOptions) -
         return [Launch("pdsh", pdsh_command(hosts, command, options), env, stdin_channel=True)]
     if options.launcher == "slurm":
         argv = remote_agent_argv(layout, job, ["--node_name_env", "SLURMD_NODENAME"], channel)
-        return [Launch("srun", srun_command(layout, job.env, argv, options))]
+        command = srun_command(layout, job.env, argv, options, elastic=job.elastic)
+        return [Launch("srun", command)]
     argv = remote_agent_argv(layout, job, ["--node_rank_env", "OMPI_COMM_WORLD_RANK"], channel)
     return [Launch("mpirun", mpirun_command(layout, job.env, argv, options))]
 
 
 def _ssh_launch(layout: WorldLayout, node: NodeSpec, job: JobSpec, options: RemoteOptions):
     channel = ["--exit_on_stdin_eof", "--exit_on_hangup"]
-    argv = remote_agent_argv(layout, job, ["--node_rank", str(node.node_rank)], channel)
+    node_flags = ["--node_rank", str(node.node_rank), *local_address_flags(layout, node, job)]
+    argv = remote_agent_argv(layout, job, node_flags, channel)
     command = ssh_command(node.host, remote_shell_command(os.getcwd(), job.env, argv), options)
     return Launch(f"node {node.node_rank} '{node.host}'", command, stdin_channel=True)
 

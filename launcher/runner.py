@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from .world import NodeSpec, WorldLayout
+from .rendezvous import ElasticJob
+from .world import NodeSpec, WorldLayout, is_local_host
 
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# An elastic job that succeeded: how long nodes still running (waiting to join) may take.
+_ELASTIC_FINISH_GRACE_S = 30.0
 # Extra time an agent gets, beyond its ranks' SIGTERM->SIGKILL grace, to sweep and exit.
 _AGENT_EXIT_MARGIN_S = 5.0
 _POLL_INTERVAL_S = 0.05
@@ -44,6 +47,15 @@ class JobSpec:
     shutdown_timeout: int = 5
     verbose: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    nnodes: str | None = None  # elastic node range MIN:MAX
+    max_restarts: int = 0
+    rdzv_conf: str = ""
+    zrun_store: bool = False  # zrun hosts the elastic rendezvous store
+
+    @property
+    def elastic(self) -> bool:
+        """A dynamic (c10d) rendezvous: a node range or restarts ([Note: elastic rendezvous])."""
+        return self.nnodes is not None or self.max_restarts > 0
 
 
 @dataclass(frozen=True)
@@ -62,10 +74,25 @@ def job_flags(job: JobSpec) -> list[str]:
     flags = ["--run_id", job.run_id, "--shutdown_timeout", str(job.shutdown_timeout)]
     if job.log_dir:
         flags += ["--log_dir", os.path.abspath(job.log_dir)]
-    for flag in ("module", "no_python", "no_local_rank", "verbose"):
+    for flag in ("module", "no_python", "no_local_rank", "verbose", "zrun_store"):
         if getattr(job, flag):
             flags.append(f"--{flag}")
+    if job.nnodes is not None:
+        flags += ["--nnodes", job.nnodes]
+    if job.max_restarts:
+        flags += ["--max_restarts", str(job.max_restarts)]
+    if job.rdzv_conf:
+        flags += ["--rdzv_conf", job.rdzv_conf]
     return flags
+
+
+def local_address_flags(layout: WorldLayout, node: NodeSpec, job: JobSpec) -> list[str]:
+    """Elastic: --local_addr for a node on zrun's machine, the address zrun's store is reached
+    at (a name such as 'localhost' would not reach it from another node); other nodes use
+    their host name."""
+    if job.elastic and is_local_host(node.host):
+        return ["--local_addr", layout.master_addr]
+    return []
 
 
 def agent_command(layout: WorldLayout, node: NodeSpec, job: JobSpec) -> list[str]:
@@ -75,6 +102,7 @@ def agent_command(layout: WorldLayout, node: NodeSpec, job: JobSpec) -> list[str
     command += ["--nproc_per_node", str(node.num_slots), "--node_name", node.host]
     command += ["--master_addr", layout.master_addr, "--master_port", str(layout.master_port)]
     command += ["--parent_pid", str(os.getpid())]
+    command += local_address_flags(layout, node, job)
     if node.slot_ids != tuple(range(node.num_slots)):
         command += ["--device_ids", ",".join(str(s) for s in node.slot_ids)]
     return [*command, *job_flags(job), job.script, *job.script_args]
@@ -98,10 +126,17 @@ class JobRunner:
     reports the failed rank itself).
     """
 
-    def __init__(self, launches: list[Launch], shutdown_timeout: int, report_failures: bool):
+    def __init__(
+        self,
+        launches: list[Launch],
+        shutdown_timeout: int,
+        report_failures: bool,
+        elastic: ElasticJob | None = None,
+    ):
         self.launches = launches
         self.shutdown_timeout = shutdown_timeout
         self.report_failures = report_failures
+        self.elastic = elastic
         self._procs: list[subprocess.Popen] = []
         self._received_signal: int | None = None
 
@@ -143,6 +178,8 @@ class JobRunner:
                     proc.send_signal(signal.SIGTERM)
 
     def _wait(self) -> int:
+        if self.elastic is not None:
+            return self._wait_elastic()
         while True:
             if self._received_signal is not None:
                 return 128 + self._received_signal
@@ -157,6 +194,47 @@ class JobRunner:
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(_POLL_INTERVAL_S)
+
+    def _wait_elastic(self) -> int:
+        """[Note: an elastic job's end] The job goes on while any launch runs; it succeeded
+        once an agent reported success in the store. Launches still running then (a node that
+        was waiting to join) are stopped after _ELASTIC_FINISH_GRACE_S."""
+        reported: set[int] = set()
+        finished_at = None
+        while True:
+            if self._received_signal is not None:
+                return 128 + self._received_signal
+            codes = [proc.poll() for proc in self._procs]
+            for index, code in enumerate(codes):
+                if code not in (None, 0) and index not in reported:
+                    reported.add(index)
+                    self._report_left(index, code)
+            succeeded = self.elastic.succeeded()
+            if all(code is not None for code in codes):
+                if succeeded or all(code == 0 for code in codes):
+                    return 0
+                code = codes[min(reported)]
+                return 128 - code if code < 0 else code
+            if succeeded and finished_at is None:
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > _ELASTIC_FINISH_GRACE_S:
+                return 0
+            time.sleep(_POLL_INTERVAL_S)
+
+    def _report_left(self, index: int, code: int) -> None:
+        running = sum(proc.poll() is None for proc in self._procs)
+        name = self.launches[index].name
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        if running:
+            print(
+                f"zrun: {name} left the job ({how}); the other nodes go on "
+                f"(elastic: --nnodes {self.elastic.node_range}, --max_restarts "
+                f"{self.elastic.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(f"zrun: {name} failed ({how})", file=sys.stderr, flush=True)
 
     def _stop_all(self) -> None:
         """Ask every process still running to stop; kill one and its whole tree if it hangs."""

@@ -95,6 +95,13 @@ def master_address(hosts: list[str]) -> str:
         return hosts[0]
 
 
+def rendezvous_address(hosts: list[str]) -> str:
+    """The address the nodes reach this machine at: 127.0.0.1 when every host is this machine,
+    else the address this machine uses to reach the first remote host."""
+    remote = [host for host in hosts if not is_local_host(host)]
+    return _source_address_towards(remote[0]) if remote else "127.0.0.1"
+
+
 def _source_address_towards(host: str) -> str:
     # Connecting a UDP socket sends nothing; it only asks the kernel which local address routes
     # to the host, which is the address that host can use to reach us.

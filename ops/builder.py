@@ -411,8 +411,47 @@ class AioBuilder(OpBuilder):
         return ["-pthread"]
 
 
+class QuantizeBuilder(OpBuilder):
+    """quantize: block-wise int8 / int4 quantization on the CPU (ops/csrc/quantize.cpp, used by
+    ops/quantize.py for ZeRO++'s quantized collectives). Includes only pybind11 (seconds to
+    build); SIMD flags as cpu_adam's so the loops vectorize, OpenMP over blocks."""
+
+    name = "quantize"
+    sources = ("quantize.cpp",)
+    has_fallback = True
+
+    def is_compatible(self) -> tuple[bool, str]:
+        if platform.system() not in ("Linux", "Darwin"):
+            return False, f"needs Linux or macOS, found {platform.system()}"
+        return True, f"ok ({simd_level().value})"
+
+    def cflags(self) -> list[str]:
+        # No fused multiply-add contraction: the op must round as the pure-PyTorch reference does.
+        simd = [flag for flag in CPUAdamBuilder._SIMD_FLAGS[simd_level()] if flag.startswith("-m")]
+        return super().cflags() + ["-fopenmp", "-ffp-contract=off"] + simd
+
+    def ldflags(self) -> list[str]:
+        return ["-fopenmp"]
+
+
+class QuantizeCudaBuilder(FusedAdamBuilder):
+    """quantize_cuda: the quantize op's kernels for CUDA tensors (ops/csrc/quantize.cu, bound by
+    quantize_cuda.cpp with pybind11 only); fused_adam's conditions and cache variant."""
+
+    name = "quantize_cuda"
+    sources = ("quantize_cuda.cpp", "quantize.cu")
+    has_fallback = True
+
+
 _BUILDER_CLASSES: dict[str, type[OpBuilder]] = {
-    builder.name: builder for builder in (CPUAdamBuilder, FusedAdamBuilder, AioBuilder)
+    builder.name: builder
+    for builder in (
+        CPUAdamBuilder,
+        FusedAdamBuilder,
+        AioBuilder,
+        QuantizeBuilder,
+        QuantizeCudaBuilder,
+    )
 }
 _BUILDERS: dict[str, OpBuilder] = {}
 

@@ -30,9 +30,10 @@ def owned_ranges(buckets, shard: int) -> dict[int, list[tuple[int, int, "object"
 
 
 def _written_shard(layout, rank: int) -> int | None:
-    """The shard a rank writes, or None when it writes nothing (stage 0: only rank 0 writes)."""
-    shard = layout.shard_of(rank)
-    return shard if layout.num_shards > 1 or rank == 0 else None
+    """The shard data-parallel rank `rank` writes, or None when it writes nothing: only the
+    first num_shards ranks write (stage 0: rank 0; MiCS: the first shard group, whose shards
+    the other replicas hold too, [Note: MiCS] in partition/hierarchy.py)."""
+    return layout.shard_of(rank) if rank < layout.num_shards else None
 
 
 def _numel(shape) -> int:

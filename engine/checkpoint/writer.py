@@ -263,35 +263,62 @@ def _sharded_state_keys(engine) -> list[str]:
 def _write_rank_file(engine, directory: str, loader_state) -> tuple[int, str]:
     """rank<r>.safetensors: this rank's shards and its per-rank state ([Note: per-rank state]
     in format.py)."""
-    tensors, metadata = rank_state.capture(engine.device, loader_state)
-    shard = _written_shard(engine.optimizer.layout, engine.comm.rank)
-    if shard is not None:
-        state = engine.optimizer.optimizer.state
-        kinds = _sharded_state_keys(engine)
-        for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items():
-            bar = progress(ranges, f"save group {group}", rank=engine.global_rank, unit="bucket")
-            for index, (lo, hi, bucket) in enumerate(bar):
-                # The owned, unpadded part of a bucket is the head of its shard (padding is at
-                # the end); a prefix view is written without a copy, except of nvme state
-                # (engine/offload/nvme.py), whose host buffer is reused for the next bucket.
-                offloader = engine.optimizer.offloader
-                swapped = offloader is not None and offloader.swapped(bucket)
-                with engine.optimizer.resident(bucket):
-                    values = {"master": bucket.master[: hi - lo]}
-                    values.update({kind: state[bucket.master][kind][: hi - lo] for kind in kinds})
-                    for kind, value in values.items():
-                        value = value.float().cpu()
-                        tensors[f"group{group}.{kind}.{index}"] = (
-                            value.clone() if swapped else value
-                        )
+    tensors, metadata = rank_file_tensors(engine, loader_state, snapshot=False)
     path = os.path.join(directory, rank_file(engine.comm.rank))
     return _write_shard(tensors, path, metadata)
+
+
+def rank_file_tensors(engine, loader_state, snapshot: bool) -> tuple[dict, dict]:
+    """(tensors, metadata) of this rank's rank<r>.safetensors. `snapshot`: every tensor is a
+    host copy that later training does not change (periodic.py writes it from a thread);
+    otherwise a CPU master shard is written from its own memory, without a copy."""
+    tensors, metadata = rank_state.capture(engine.device, loader_state)
+    shard = _written_shard(engine.optimizer.layout, engine.comm.rank)
+    if shard is None:
+        return tensors, metadata
+    state = engine.optimizer.optimizer.state
+    kinds = _sharded_state_keys(engine)
+    for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items():
+        bar = progress(ranges, f"save group {group}", rank=engine.global_rank, unit="bucket")
+        for index, (lo, hi, bucket) in enumerate(bar):
+            # The owned, unpadded part of a bucket is the head of its shard (padding is at
+            # the end); a prefix view is written without a copy, except of nvme state
+            # (engine/offload/nvme.py), whose host buffer is reused for the next bucket.
+            offloader = engine.optimizer.offloader
+            swapped = offloader is not None and offloader.swapped(bucket)
+            with engine.optimizer.resident(bucket):
+                values = {"master": bucket.master[: hi - lo]}
+                values.update({kind: state[bucket.master][kind][: hi - lo] for kind in kinds})
+                for kind, value in values.items():
+                    key = f"group{group}.{kind}.{index}"
+                    tensors[key] = _host_value(value, snapshot or swapped)
+    return tensors, metadata
+
+
+def _host_value(value, copy: bool):
+    """`value` as fp32 on the host; `copy`: in memory of its own. A device tensor goes through
+    pinned memory without waiting (the caller synchronizes the device before reading it)."""
+    if value.device.type == "cpu":
+        value = value.float()
+        return value.clone() if copy else value
+    if not copy:
+        return value.float().cpu()
+    host = torch.empty(value.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    return host
 
 
 def _write_module_file(engine, directory: str, frozen: dict, excluded: dict) -> tuple[int, str]:
     """module.safetensors: frozen and empty parameters and buffers; `frozen` maps id(param) to
     the full value of a stage-3 partitioned frozen parameter; the parameters of `excluded`
     (name -> frozen parameter) are left out."""
+    tensors = module_file_tensors(engine, frozen, excluded, snapshot=False)
+    return _write_shard(tensors, os.path.join(directory, MODULE_FILE))
+
+
+def module_file_tensors(engine, frozen: dict, excluded: dict, snapshot: bool) -> dict:
+    """The tensors of module.safetensors (see _write_module_file); `snapshot`: host copies
+    that later training does not change."""
     laid_out = _laid_out_ids(engine)
     seen = {id(param) for param in excluded.values()}
     tensors = {}
@@ -299,8 +326,11 @@ def _write_module_file(engine, directory: str, frozen: dict, excluded: dict) -> 
         if id(tensor) in laid_out or id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        tensors[name] = frozen.get(id(tensor), tensor).detach().cpu().contiguous()
-    return _write_shard(tensors, os.path.join(directory, MODULE_FILE))
+        value = frozen.get(id(tensor), tensor).detach()
+        on_host = value.device.type == "cpu"
+        value = value.cpu().contiguous()
+        tensors[name] = value.clone() if snapshot and on_host else value
+    return tensors
 
 
 def _meta(

@@ -4,6 +4,7 @@ Owns, one module each, lowest first (a module imports only modules listed above 
     ledger.py        OpTotals, CommLedger: calls, elements and bytes per collective, per step
     watcher.py       the thread that waits for gloo's asynchronous reduce-scatters
     groups.py        process groups zero makes (OwnGroup, side groups, new_group)
+    topology.py      which ranks share a node; the intra-/inter-node split of the ledger
     launch.py        the launch environment (RANK, WORLD_SIZE, ...) and the default group
     agreement.py     cross-rank agreement checks (Intent, Agreement, RankMismatchError)
     communicator.py  Communicator, the only caller of torch.distributed collectives for the
@@ -66,6 +67,11 @@ from .ledger import (
     CommLedger,
     OpTotals,
 )
+from .topology import (
+    Topology,
+    inter_node_elements,
+    read_topology,
+)
 
 __all__ = [
     "Agreement",
@@ -78,6 +84,7 @@ __all__ = [
     "PendingCheck",
     "RankMismatchError",
     "ReduceOp",
+    "Topology",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
@@ -97,11 +104,13 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "init_process_group",
+    "inter_node_elements",
     "is_available",
     "is_initialized",
     "monitored_barrier",
     "new_group",
     "read_launch_env",
+    "read_topology",
     "recv",
     "reduce",
     "reduce_scatter",

@@ -4,7 +4,8 @@ Each call records in its CommLedger (ledger.py) how many elements and bytes it m
 the paper's units (ZeRO, section 7): a reduce-scatter of a buffer of n elements counts n, an
 all-gather into a buffer of n elements counts n, and an all-reduce of n elements counts 2n (it is
 a reduce-scatter followed by an all-gather). Summed over one optimizer step this gives 2 Psi for
-stages 0-2.
+stages 0-2. Each count is split into intra-node and inter-node parts by the group's Topology
+([Note: intra- and inter-node volume] in topology.py).
 
 A Communicator with world size 1 performs the same operations locally (copies) without any
 process group, so single-process runs take exactly the code path of multi-rank runs; nothing
@@ -25,6 +26,7 @@ import torch.distributed.distributed_c10d as _c10d
 from .agreement import Agreement
 from .groups import OwnGroup, _side_group
 from .ledger import CommLedger
+from .topology import Topology, inter_node_elements, read_topology, single_node
 from .watcher import _Exchange, _started, _watcher
 
 logger = logging.getLogger("zero")
@@ -84,11 +86,14 @@ class Communicator:
     tensors of the same size and dtype. `group` None with world_size 1 means no process group.
     """
 
-    def __init__(self, group, rank: int, world_size: int):
+    def __init__(self, group, rank: int, world_size: int, topology: Topology | None = None):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.ledger = CommLedger()
+        # Which ranks share a node (topology.py); None: one node, nothing counts as inter-node.
+        self.topology = topology
+        self._local_count: int | None = None  # this rank's group members on its node
         # [Note: collective timing] None = no timing; else the collective names whose `seconds`
         # are measured (an empty set: all). A collective's `seconds` run from its launch until
         # its wait() returns (for asynchronous ones this includes the compute it overlapped
@@ -113,8 +118,27 @@ class Communicator:
             group = None
         else:
             group = _side_group(purpose, self._global_ranks(), None, timeout_s)
-        other = Communicator(group, self.rank, self.world_size)
+        other = Communicator(group, self.rank, self.world_size, self.topology)
         other.ledger = self.ledger
+        self._siblings.append(other)
+        return other
+
+    def subgroup(self, purpose: str, members: list[int], timeout_s: float | None = None):
+        """A Communicator over `members` (ranks of this group, this rank among them, in the
+        order that gives their ranks in the new group) on a process group of its own, counting
+        into this one's ledger with the same topology: MiCS's shard and replica groups and
+        hpZ's secondary group (partition/hierarchy.py). This Communicator itself when `members`
+        is the whole group in order. Collective over `members` at the first call for
+        (`purpose`, members); cached after."""
+        members = list(members)
+        if members == list(range(self.world_size)):
+            return self
+        global_ranks = self._global_ranks()
+        ranks = [global_ranks[m] for m in members]
+        group = None if len(members) == 1 else _side_group(purpose, ranks, None, timeout_s)
+        other = Communicator(group, members.index(self.rank), len(members), self.topology)
+        other.ledger = self.ledger
+        other.timing, other.verbose = self.timing, self.verbose
         self._siblings.append(other)
         return other
 
@@ -126,10 +150,30 @@ class Communicator:
             self.agreement = Agreement(self._global_ranks(), self.rank, timeout_s)
         return self.agreement
 
+    def global_ranks(self) -> list[int]:
+        """The global ranks of this group, in group-rank order. Not a collective."""
+        return self._global_ranks()
+
     def _global_ranks(self) -> list[int]:
+        if isinstance(self.group, OwnGroup):
+            return list(self.group.ranks)
         if self.group is None:
+            if self.world_size == 1:
+                return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
             return list(range(dist.get_world_size()))
         return dist.get_process_group_ranks(self.group)
+
+    def inter_node_elements(self, elements: int) -> int:
+        """The part of a collective's per-rank volume `elements` (paper units) over this group
+        exchanged with ranks on other nodes: elements * (n - n_local) // n, n the group's size,
+        n_local its ranks on this rank's node ([Note: intra- and inter-node volume] in
+        topology.py). 0 without a topology or with one rank. Not a collective."""
+        if self.topology is None or self.world_size == 1:
+            return 0
+        if self._local_count is None:
+            ranks = self._global_ranks()
+            self._local_count = self.topology.local_count(ranks, ranks[self.rank])
+        return inter_node_elements(elements, self.world_size, self._local_count)
 
     def enable_timing(self, ops=(), verbose: bool = False) -> None:
         """Time collectives named in `ops` (all when empty) into the ledger's `seconds`, and
@@ -153,7 +197,8 @@ class Communicator:
 
     def _record(self, op: str, elements: int, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
-            self.ledger.record(op, elements, tensor.element_size())
+            inter = self.inter_node_elements(elements)
+            self.ledger.record(op, elements, tensor.element_size(), inter)
             if self.verbose:
                 logger.info(
                     "rank %d: %s of %d elements (%s)", self.rank, op, elements, tensor.dtype
@@ -186,12 +231,13 @@ class Communicator:
         if self.world_size == 1:
             return Handle()
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return self._run(
-            "all_reduce",
-            tensor,
-            lambda: dist.all_reduce(tensor, reduce_op, group=self.group, async_op=async_op),
-            async_op,
-        )
+        if isinstance(self.group, OwnGroup):
+            launch = lambda: self.group.all_reduce(tensor, reduce_op, async_op)  # noqa: E731
+        else:
+            launch = lambda: dist.all_reduce(  # noqa: E731
+                tensor, reduce_op, group=self.group, async_op=async_op
+            )
+        return self._run("all_reduce", tensor, launch, async_op)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -245,6 +291,8 @@ class Communicator:
             return Handle()
         if self._exchanges_on(output):
             launch = lambda: self._exchange_all_gather(output, input, async_op)  # noqa: E731
+        elif isinstance(self.group, OwnGroup):
+            launch = lambda: self.group.all_gather(output, input, async_op)  # noqa: E731
         else:
             launch = lambda: _all_gather_single(  # noqa: E731
                 output, input, group=self.group, async_op=async_op
@@ -323,18 +371,52 @@ class Communicator:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Handle:
+        """Rank r sends slice p of `input` (world_size equal slices, numel divisible by
+        world_size) to rank p, which receives it as slice r of `output` (same numel and dtype,
+        not overlapping `input`). Counted as input.numel() elements of input's dtype, as a
+        reduce-scatter counts its input (ZeRO++ qgZ's exchanges, zero.comm.quantized)."""
+        assert output.numel() == input.numel() and input.numel() % self.world_size == 0, (
+            output.shape,
+            input.shape,
+        )
+        self._record("all_to_all", input.numel(), input)
+        if self.world_size == 1:
+            output.copy_(input)
+            return Handle()
+        if isinstance(self.group, OwnGroup):
+
+            def launch():
+                group = self.group._open()
+                work = group.alltoall_base(output, input, [], [], dist.AllToAllOptions())
+                return work if async_op else work.wait() and None
+
+        else:
+            launch = lambda: dist.all_to_all_single(  # noqa: E731
+                output, input, group=self.group, async_op=async_op
+            )
+        return self._run("all_to_all", input, launch, async_op)
+
 
 def data_parallel_comm(mpu=None, group=None) -> Communicator:
     """The Communicator of the data-parallel group: the mpu's, else `group`, else every rank (one
-    rank when torch.distributed is not initialized)."""
+    rank when torch.distributed is not initialized), with the group's node Topology read from
+    the launch environment (topology.read_topology: every rank of the group must call this when
+    GROUP_RANK or NODE_RANK is set)."""
     if mpu is not None:
-        return Communicator(
+        comm = Communicator(
             mpu.get_data_parallel_group(),
             mpu.get_data_parallel_rank(),
             mpu.get_data_parallel_world_size(),
         )
-    if not (dist.is_available() and dist.is_initialized()):
-        return Communicator(None, 0, 1)
-    if group is not None:
-        return Communicator(group, dist.get_rank(group), dist.get_world_size(group))
-    return Communicator(None, dist.get_rank(), dist.get_world_size())
+    elif not (dist.is_available() and dist.is_initialized()):
+        return Communicator(None, 0, 1, single_node([0]))
+    elif group is not None:
+        comm = Communicator(group, dist.get_rank(group), dist.get_world_size(group))
+    else:
+        comm = Communicator(None, dist.get_rank(), dist.get_world_size())
+    # Every rank of the group is here (zero.initialize, zero.Init): the nodes are read once.
+    comm.topology = read_topology(comm._global_ranks(), dist.get_rank())
+    return comm

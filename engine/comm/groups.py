@@ -101,6 +101,12 @@ class OwnGroup:
         work = self._open()._reduce_scatter_base(output, input, dist.ReduceScatterOptions())
         return work if async_op else work.wait()
 
+    def all_reduce(self, tensor: torch.Tensor, op, async_op: bool = False):
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        work = self._open().allreduce([tensor], options)
+        return work if async_op else work.wait()
+
     def _open(self):
         if self.backend is None:
             raise RuntimeError(

@@ -11,12 +11,25 @@ from dataclasses import dataclass, field
 @dataclass
 class OpTotals:
     """Totals for one collective kind: calls, elements (paper units), bytes per rank, and
-    seconds from launch to completion (only while timing is on, see Communicator.timing)."""
+    seconds from launch to completion (only while timing is on, see Communicator.timing).
+    `inter_elements` / `inter_bytes`: the part of `elements` / `bytes` exchanged with ranks on
+    other nodes ([Note: intra- and inter-node volume] in topology.py); the rest is intra-node
+    (`intra_elements`, `intra_bytes`)."""
 
     calls: int = 0
     elements: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    inter_elements: int = 0
+    inter_bytes: int = 0
+
+    @property
+    def intra_elements(self) -> int:
+        return self.elements - self.inter_elements
+
+    @property
+    def intra_bytes(self) -> int:
+        return self.bytes - self.inter_bytes
 
 
 @dataclass
@@ -38,12 +51,26 @@ class CommLedger:
     frozen: int = 0
     last_frozen: int = 0
 
-    def record(self, op: str, elements: int, element_size: int) -> None:
-        """Count one collective of `elements` (paper units) of `element_size` bytes each."""
+    def record(self, op: str, elements: int, element_size: int, inter_elements: int = 0) -> None:
+        """Count one collective of `elements` (paper units) of `element_size` bytes each,
+        `inter_elements` of them exchanged with other nodes."""
         totals = self.current.setdefault(op, OpTotals())
         totals.calls += 1
         totals.elements += elements
         totals.bytes += elements * element_size
+        totals.inter_elements += inter_elements
+        totals.inter_bytes += inter_elements * element_size
+
+    def tiers(self, step: dict | None = None) -> dict[str, int]:
+        """Bytes and elements of one step's collectives (`step`: op -> OpTotals, default the
+        last step) summed over ops by tier: {"intra_bytes", "inter_bytes", "intra_elements",
+        "inter_elements"}."""
+        step = self.last_step if step is None else step
+        out = dict.fromkeys(("intra_bytes", "inter_bytes", "intra_elements", "inter_elements"), 0)
+        for totals in step.values():
+            for key in out:
+                out[key] += getattr(totals, key)
+        return out
 
     def add_time(self, op: str, seconds: float, waited: float = 0.0) -> None:
         """Add the launch-to-completion and the waited seconds of one collective of kind `op`."""

@@ -29,7 +29,6 @@ UNSUPPORTED_BLOCKS = (
     "progressive_layer_drop",
     "eigenvalue",
     "hybrid_engine",
-    "compile",
 )
 
 

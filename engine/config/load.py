@@ -12,7 +12,7 @@
    bucket size or threshold nothing fills takes its default, said in one info line (auto.py);
 4. validate against the schema (schema.py; one ``ConfigError`` naming the dotted key on
    failure, errors.py; keys whose non-default value would change what is trained and that
-   zero does not implement, ZeRO++ / MiCS, torch_autocast, AutoTP, weight_quantization and
+   zero does not implement, ZeRO++ quantization, torch_autocast, AutoTP, weight_quantization and
    the like, are errors unless at their defaults);
 5. derive the batch triple for the data-parallel world size (auto.py);
 6. drop zero_optimization.offload_param below stage 3, which DeepSpeed ignores there, with one
@@ -75,7 +75,7 @@ def load_config(
             file, if any).
         ConfigNotImplementedError (a ConfigError and a NotImplementedError): only valid
             DeepSpeed settings zero does not implement and would change the run if ignored
-            (ZeRO++ / MiCS, torch_autocast, AutoTP, ...).
+            (ZeRO++'s quantized collectives, torch_autocast, AutoTP, ...).
 
     Warns:
         FutureWarning for each deprecated DeepSpeed name; UserWarning for enabled blocks of

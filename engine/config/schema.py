@@ -56,6 +56,7 @@ __all__ = [
     "TensorParallelConfig",
     "CheckpointConfig",
     "AioConfig",
+    "CompileConfig",
 ]
 
 
@@ -406,6 +407,44 @@ class CheckpointConfig(_Block):
     writer: CheckpointWriterConfig | None = Field(
         None, description="DeepSpeed's checkpoint writer engine."
     )
+    save_dir: str | None = Field(
+        None,
+        description="zero's own: directory of the periodic checkpoints (save_interval_steps, "
+        "save_interval_minutes) and of auto_resume.",
+    )
+    save_interval_steps: Count | None = Field(
+        None, description="zero's own: save a checkpoint to save_dir every this many steps."
+    )
+    save_interval_minutes: Number | None = Field(
+        None,
+        gt=0,
+        description="zero's own: save a checkpoint to save_dir at the first step after this "
+        "many minutes (rank 0's clock) since the last one.",
+    )
+    async_save: bool = Field(
+        True,
+        description="zero's own: periodic checkpoints copy the state to host memory and write "
+        "it in a background thread; false writes before step() returns.",
+    )
+    auto_resume: bool = Field(
+        False,
+        description="zero's own: zero.initialize loads save_dir's `latest` checkpoint when "
+        "there is one (a restarted elastic job resumes at its new world size).",
+    )
+
+    @model_validator(mode="after")
+    def _check_periodic(self) -> "CheckpointConfig":
+        wanted = [
+            key
+            for key in ("save_interval_steps", "save_interval_minutes", "auto_resume")
+            if getattr(self, key)
+        ]
+        if wanted and self.save_dir is None:
+            raise _cross(
+                f"checkpoint.{wanted[0]} is set but checkpoint.save_dir is not; give "
+                'checkpoint.save_dir (e.g. "save_dir": "checkpoints").'
+            )
+        return self
 
 
 class AioConfig(_Block):
@@ -417,6 +456,83 @@ class AioConfig(_Block):
     single_submit: bool = Field(False, description="Submit requests one at a time.")
     overlap_events: bool = Field(True, description="Overlap submission and completion.")
     use_gds: bool = Field(False, description="Use GPUDirect Storage.")
+
+
+_COMPILE_PASSES = ("z1", "z3", "autosp", "autotp")
+
+
+class CompileConfig(_Block):
+    """DeepSpeed ``compile`` (deepspeed/compile/config.py): what engine.compile() does. zero
+    compiles the forward itself (stage 3: each block, between eager gathers and releases; see
+    engine/compiler.py), whether or not ``deepcompile`` is set; DeepCompile's offload passes and
+    its AutoSP / AutoTP passes are refused, its tuning and debugging keys have no effect."""
+
+    deepcompile: bool = Field(
+        False, description="DeepCompile; in zero, engine.compile() runs zero's own compile."
+    )
+    free_activation: bool = Field(False, description="DeepCompile: free activations eagerly.")
+    free_activation_threshold: Count = Field(
+        10 * 1024 * 1024, description="DeepCompile: bytes from which activations are freed."
+    )
+    offload_activation: bool = Field(
+        False, description="DeepCompile: offload saved activations to host (refused)."
+    )
+    offload_activation_pin_memory: bool = Field(
+        True, description="DeepCompile: pin the host buffers of offloaded activations."
+    )
+    offload_opt_states: bool = Field(
+        False, description="DeepCompile: offload optimizer states between steps (refused)."
+    )
+    double_buffer: bool = Field(True, description="DeepCompile: double-buffered all-gathers.")
+    symmetric_memory: bool = Field(False, description="DeepCompile: symmetric memory buffers.")
+    debug_log: bool = Field(False, description="DeepCompile: dump its graphs.")
+    offload_parameters: bool = Field(
+        False, description="DeepCompile: offload parameters to host (refused)."
+    )
+    sync_before_reduce: bool = Field(False, description="DeepCompile: sync before reduce.")
+    sync_after_reduce: bool = Field(False, description="DeepCompile: sync after reduce.")
+    sync_before_allgather: bool = Field(False, description="DeepCompile: sync before all-gather.")
+    sync_after_allgather: bool = Field(False, description="DeepCompile: sync after all-gather.")
+    keep_int_input_tensors: bool = Field(
+        True, description="DeepCompile: keep int inputs' values when profiling."
+    )
+    keep_all_input_tensors: bool = Field(
+        False, description="DeepCompile: keep all inputs' values when profiling."
+    )
+    passes: tuple[Literal[_COMPILE_PASSES], ...] | None = Field(
+        None, description="DeepCompile passes: z1 and z3 are zero's ZeRO; autosp, autotp refused."
+    )
+
+    @model_validator(mode="after")
+    def _refuse_deepcompile_passes(self) -> "CompileConfig":
+        alternatives = {
+            "offload_activation": "activation_checkpointing.cpu_checkpointing",
+            "offload_opt_states": "zero_optimization.offload_optimizer",
+            "offload_parameters": "zero_optimization.offload_param (stage 3)",
+        }
+        for key, instead in alternatives.items():
+            if getattr(self, key):
+                raise _refused(
+                    f"compile.{key}",
+                    True,
+                    f"DeepCompile's offload pass is not implemented in zero; use {instead}.",
+                    False,
+                )
+        parallel = [p for p in self.passes or () if p in ("autosp", "autotp")]
+        if parallel:
+            raise _not_implemented(
+                f"compile.passes = {_show(list(self.passes))}: zero has no sequence- or "
+                f"tensor-parallel compile pass ({', '.join(parallel)}); remove them (z1 and z3 "
+                "are zero's ZeRO stages, set by zero_optimization.stage)."
+            )
+        return self
+
+    def keys_without_effect(self) -> list[str]:
+        """The DeepCompile tuning and debugging keys set to a non-default value (zero's compile
+        reads none of them)."""
+        fields = type(self).model_fields.items()
+        read = ("deepcompile", "passes")
+        return sorted(k for k, f in fields if k not in read and getattr(self, k) != f.default)
 
 
 # Blocks of DeepSpeed subsystems zero does not implement (deepspeed_keys.py's UNSUPPORTED_BLOCKS):
@@ -566,7 +682,9 @@ class Config(_Block):
     progressive_layer_drop: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
     eigenvalue: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
     hybrid_engine: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    compile: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    compile: CompileConfig | None = Field(
+        None, description="engine.compile(): torch.compile settings (DeepSpeed's DeepCompile keys)."
+    )
 
     # The mapping this config was validated from (after deprecated names and "auto" were
     # resolved, before batch derivation), so it can be re-validated for another world size.

@@ -1,8 +1,9 @@
 """DeepSpeed's ``zero_optimization`` block: ``ZeroConfig`` and its offload and leaf-module blocks.
 
 Every bucket size, prefetch size and persistence threshold here counts ELEMENTS, not bytes.
-Also owns the ZeRO++ / MiCS keys, accepted only at their defaults (zero does not implement
-them), and ZenFlow, refused.
+Also owns the ZeRO++ / MiCS keys: MiCS (mics_shard_size) and hpZ (zero_hpz_partition_size) are
+implemented (partition/hierarchy.py); the quantized ones (qwZ, qgZ) are accepted only at their
+defaults. ZenFlow is refused.
 """
 
 import sys
@@ -96,15 +97,12 @@ class LeafModuleConfig(_Block):
     name_suffixes: _Names = Field((), description="Module name suffixes (a list, or one string).")
 
 
-# ZeRO++ (arXiv 2306.10209) and MiCS (arXiv 2205.00119) keys: accepted at their defaults, which
-# switch the features off, so DeepSpeed files that spell the defaults out still load.
+# ZeRO++ (arXiv 2306.10209) quantization keys: accepted at their defaults, which switch the
+# features off, so DeepSpeed files that spell the defaults out still load.
 _ZERO_PLUS_PLUS_KEYS = (
-    "zero_hpz_partition_size",
     "zero_quantized_weights",
     "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients",
-    "mics_shard_size",
-    "mics_hierarchical_params_gather",
 )
 
 
@@ -112,7 +110,8 @@ class ZeroConfig(_Block):
     """DeepSpeed ``zero_optimization``. Every size here counts elements, not bytes.
 
     ``overlap_comm`` is resolved at load time: true for stage 3, false otherwise, unless given.
-    ZeRO++ / MiCS keys other than their defaults are errors: zero does not implement them.
+    MiCS (``mics_shard_size``, stages 1-3) and hpZ (``zero_hpz_partition_size``, stage 3) are
+    implemented; the quantized ZeRO++ keys other than their defaults are errors.
     """
 
     stage: Annotated[int, BeforeValidator(_to_stage)] = Field(
@@ -194,7 +193,9 @@ class ZeroConfig(_Block):
         False, description="Round-robin gradient copies across ranks (offload)."
     )
     zero_hpz_partition_size: Count = Field(
-        1, description="ZeRO++ hierarchical partition size (secondary parameter shards)."
+        1,
+        description="ZeRO++ hpZ (stage 3): ranks per secondary parameter partition (usually the "
+        "ranks per node); backward all-gathers stay within that group. 1 disables.",
     )
     zero_quantized_weights: bool = Field(False, description="ZeRO++ quantized weight all-gather.")
     zero_quantized_nontrainable_weights: bool = Field(
@@ -204,10 +205,15 @@ class ZeroConfig(_Block):
         False, description="ZeRO++ quantized gradient reduce-scatter."
     )
     mics_shard_size: _whole(-1, "a number of ranks, or -1") = Field(
-        -1, description="MiCS shard group size; -1 disables MiCS."
+        -1,
+        description="MiCS (stages 1-3): partition model states within groups of this many "
+        "consecutive ranks and replicate them across groups; must divide the data-parallel world "
+        "size. -1 disables MiCS.",
     )
     mics_hierarchical_params_gather: bool = Field(
-        False, description="MiCS hierarchical all-gather."
+        False,
+        description="MiCS: all-gather parameters across nodes first, then within the node; only "
+        "shard groups within one node are supported, where it changes nothing.",
     )
     # DeepSpeed implementation switches: how its own kernels and collectives run, not what is
     # trained. Accepted and validated so DeepSpeed files load; zero has no such switch.
@@ -272,12 +278,45 @@ class ZeroConfig(_Block):
         given = ", ".join(f"zero_optimization.{k} = {_show(getattr(self, k))}" for k in changed)
         defaults = ", ".join(f"{k}: {_show(fields[k].default)}" for k in changed)
         raise _not_implemented(
-            f"{given}: zero does not implement ZeRO++ / MiCS (quantized weights or gradients, "
-            "hierarchical or MiCS-sharded communication). Remove the key"
+            f"{given}: zero does not implement ZeRO++'s quantized collectives (quantized "
+            "weights or gradients). Remove the key"
             f"{'s' if len(changed) > 1 else ''} or set {'them' if len(changed) > 1 else 'it'} "
             f"to the default ({defaults}); zero then trains with full-precision collectives "
             "over the whole data-parallel group."
         )
+
+    @model_validator(mode="after")
+    def _check_hierarchical(self) -> "ZeroConfig":
+        # DeepSpeed's rules: hpZ partitions stage 3's parameters; MiCS needs a partitioned stage.
+        if self.mics_shard_size == 0:
+            raise _cross(
+                "zero_optimization.mics_shard_size = 0: give a number of ranks (>= 1) that "
+                "divides the data-parallel world size, or -1 to disable MiCS."
+            )
+        if self.mics_shard_size > 0 and self.stage == 0:
+            raise _cross(
+                f"zero_optimization.mics_shard_size = {self.mics_shard_size} needs "
+                "zero_optimization.stage 1, 2 or 3 (got 0): stage 0 partitions nothing."
+            )
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise _cross(
+                f"zero_optimization.zero_hpz_partition_size = {self.zero_hpz_partition_size} "
+                f"needs zero_optimization.stage 3 (got {self.stage}): hpZ keeps a secondary "
+                "partition of stage 3's parameters. Set stage 3, or remove the key."
+            )
+        if self.mics_shard_size > 0 and self.zero_hpz_partition_size > 1:
+            raise _not_implemented(
+                f"zero_optimization.mics_shard_size = {self.mics_shard_size} with "
+                f"zero_optimization.zero_hpz_partition_size = {self.zero_hpz_partition_size}: "
+                "zero does not combine MiCS and hpZ (with MiCS shard groups of one node, the "
+                "backward all-gather stays in the node already). Remove one of the keys."
+            )
+        if self.mics_hierarchical_params_gather and self.mics_shard_size < 1:
+            raise _cross(
+                "zero_optimization.mics_hierarchical_params_gather = true needs "
+                "zero_optimization.mics_shard_size (MiCS); set it, or remove the key."
+            )
+        return self
 
     @model_validator(mode="after")
     def _refuse_zenflow(self) -> "ZeroConfig":

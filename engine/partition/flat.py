@@ -143,8 +143,10 @@ class FlatLayout:
         return start + padded
 
     def shard_of(self, rank: int) -> int:
-        """The shard a rank owns: its rank, or 0 when every rank owns everything (stage 0)."""
-        return rank if self.num_shards > 1 else 0
+        """The shard data-parallel rank `rank` owns: rank mod num_shards (its rank without
+        MiCS, its rank in its shard group with it, partition/hierarchy.py), or 0 when every
+        rank owns everything (stage 0)."""
+        return rank % self.num_shards if self.num_shards > 1 else 0
 
     def slot(self, param: torch.Tensor) -> Slot:
         return self._slot_of[id(param)]

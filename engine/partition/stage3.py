@@ -284,6 +284,12 @@ class ParamGatherer:
         self.on_unit_done = None  # callback(unit): its backward is complete on this rank
         self.param_swap = None  # zero.param_swap.ParamSwap: shards in nvme files
         self._read_cursor = {"forward": 0, "backward": 0}
+        # hpZ ([Note: hpZ] in hierarchy.py): the secondary group, and per bucket (by id) its
+        # secondary shard, whether it holds the current values, and gathers that will fill it.
+        self.secondary = None
+        self._secondary: dict[int, torch.Tensor] = {}
+        self._secondary_valid: set[int] = set()
+        self._filling_secondary: set[int] = set()
 
     @contextlib.contextmanager
     def _own_ops(self):
@@ -531,8 +537,9 @@ class ParamGatherer:
                 check_params(bucket, self.compute_dtype, self.comm.rank)
         if launch:
             pending = self._agree_on(tuple(u.index for u in launch))
+            backward = direction == "backward" or _in_backward()
             for upcoming in launch:
-                self._start_gather(upcoming)
+                self._start_gather(upcoming, backward)
                 upcoming.check = pending
         if direction is not None and self.param_swap is not None:
             self._read_ahead(unit, direction)
@@ -549,6 +556,7 @@ class ParamGatherer:
                         raise collective_failure(self.comm.rank, what, error) from error
                     if self.param_swap is not None:
                         self.param_swap.release(bucket)  # the all-gather has read the shard
+                    self._keep_secondary(bucket)
             unit.to_gathered()
 
     def _read_ahead(self, unit: Unit, direction: str) -> None:
@@ -590,28 +598,65 @@ class ParamGatherer:
         self.agreement.check(Intent.GATHER, indices)
         return None
 
-    def _start_gather(self, unit: Unit) -> None:
+    def _start_gather(self, unit: Unit, backward: bool = False) -> None:
         with self._own_ops():
             for bucket in unit.buckets:
-                self._start_gather_bucket(bucket, unit)
+                self._start_gather_bucket(bucket, unit, backward)
         unit.to_gathering()
 
-    def _start_gather_bucket(self, bucket, unit: Unit) -> None:
+    def _start_gather_bucket(self, bucket, unit: Unit, backward: bool = False) -> None:
         """All-gather the bucket into a fresh buffer on the device; an offloaded (host) shard is
-        copied there first (asynchronously when pinned)."""
+        copied there first (asynchronously when pinned). hpZ: in `backward`, from the secondary
+        shards over the secondary group when they hold the current values; otherwise from the
+        primary shards, and the secondary shard is refilled from the result."""
+        buffer = torch.empty(
+            bucket.layout.padded_numel, dtype=self.compute_dtype, device=self.device
+        )
+        if self.secondary is not None and backward and id(bucket) in self._secondary_valid:
+            bucket.pending = self.secondary.all_gather(
+                buffer, self._secondary[id(bucket)], async_op=True
+            )
+            self._count_frozen(bucket, buffer)
+            bucket.param_buffer = buffer
+            self._gathered_storage[buffer.untyped_storage().data_ptr()] = bucket
+            return
+        if self.secondary is not None:
+            self._filling_secondary.add(id(bucket))
         shard = bucket.param_shard
         if self.param_swap is not None and self.param_swap.swapped(bucket):
             shard = self.param_swap.acquire(bucket)  # released when the all-gather finished
         if shard.device != self.device:
             shard = shard.to(self.device, non_blocking=shard.is_pinned())
-        buffer = torch.empty(
-            bucket.layout.padded_numel, dtype=self.compute_dtype, device=self.device
-        )
         bucket.pending = self.comm.all_gather(buffer, shard, async_op=True)
-        if bucket.master is None and self.comm.world_size > 1:  # frozen: not in Psi
-            self.comm.ledger.frozen += buffer.numel()
+        self._count_frozen(bucket, buffer)
         bucket.param_buffer = buffer
         self._gathered_storage[buffer.untyped_storage().data_ptr()] = bucket
+
+    def _count_frozen(self, bucket, buffer) -> None:
+        if bucket.master is None and self.comm.world_size > 1:  # frozen: not in Psi
+            self.comm.ledger.frozen += buffer.numel()
+
+    def _keep_secondary(self, bucket) -> None:
+        """hpZ: after a primary all-gather landed, keep this rank's 1/k slice of the bucket
+        (k = the secondary group's size) as its secondary shard ([Note: hpZ] in hierarchy.py).
+        The slice's buffer is made once and reused. Not a collective."""
+        if id(bucket) not in self._filling_secondary:
+            return
+        self._filling_secondary.discard(id(bucket))
+        size = bucket.layout.padded_numel // self.secondary.world_size
+        begin = self.secondary.rank * size
+        kept = self._secondary.get(id(bucket))
+        if kept is None:
+            kept = self._secondary[id(bucket)] = torch.empty(
+                size, dtype=self.compute_dtype, device=self.device
+            )
+        kept.copy_(bucket.param_buffer[begin : begin + size])
+        self._secondary_valid.add(id(bucket))
+
+    def secondary_bytes(self) -> int:
+        """hpZ: bytes of this rank's secondary parameter shards (0 without hpZ, and before the
+        first forward). Not a collective."""
+        return sum(t.numel() * t.element_size() for t in self._secondary.values())
 
     def _release_bucket(self, bucket) -> None:
         if bucket.param_buffer is not None:
@@ -827,6 +872,7 @@ class ParamGatherer:
             self.param_swap.drop_read_ahead()  # the step is about to change the shards
         if self._launched:  # a second call in a row keeps the history (engine(...) in eval)
             self._last_launched, self._launched = self._launched, []
+        self._secondary_valid.clear()  # hpZ: the next forward refills them ([Note: hpZ])
 
     def release_kept(self) -> None:
         """Release the units a training forward kept for a backward that has not come (another
@@ -860,6 +906,7 @@ class ParamGatherer:
         (a forward through engine.module between backward and step leaves its prefetched units
         gathered); the next forward gathers them anew. release() keeps units held by
         GatheredParameters. Collective."""
+        self._secondary_valid.clear()  # hpZ: the shards changed
         for unit in self.units:
             if not unit.persistent:
                 if unit.state is not UnitState.SHARDED:

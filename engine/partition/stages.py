@@ -75,6 +75,7 @@ from ..comm import Communicator, Handle, Intent
 from ..optim import UNSUPPORTED_OPTIMIZERS
 from ..optim.precision import LossScaler
 from .flat import BucketLayout, FlatLayout
+from .hierarchy import PartitionGroups
 from .shared import bucket_values, check_params, collective_failure, host_copy
 
 # Stage-2 buckets allowed in flight before the oldest is waited for; bounds transient gradient
@@ -331,23 +332,37 @@ class ZeroOptimizer:
         layout: the FlatLayout of named_groups.
         settings: ReduceSettings; comm: the data-parallel Communicator; scaler: the LossScaler.
         compute_dtype: dtype of the parameters seen by forward and backward.
+        groups: where the states are partitioned (hierarchy.PartitionGroups: MiCS shard and
+            replica groups); default: over `comm`.
 
     Collective: every rank of the data-parallel group constructs it and calls step() together.
     """
 
     def __init__(
-        self, named_groups, optimizer, layout: FlatLayout, settings, comm, scaler, compute_dtype
+        self,
+        named_groups,
+        optimizer,
+        layout: FlatLayout,
+        settings,
+        comm,
+        scaler,
+        compute_dtype,
+        groups: PartitionGroups | None = None,
     ):
         self.layout = layout
         self.settings = settings
         self.comm: Communicator = comm
+        self.groups = groups if groups is not None else PartitionGroups(comm)
+        # Reduce-scatters and all-gathers run over the shard group ([Note: MiCS]); agreement
+        # checks, the norm's sum and the averaging over ranks over the whole group (`comm`).
+        self.shard_comm: Communicator = self.groups.shard
         self.scaler: LossScaler = scaler
         self.optimizer = optimizer
         self.compute_dtype = compute_dtype
         self.global_grad_norm = None
         self.overflow = False  # DeepSpeed's name: the last step was skipped (accelerate reads it)
         self.gatherer = None  # stage 3: the ParamGatherer, set by attach_gatherer()
-        self.reduce_comm: Communicator = comm  # where gradients are reduced (attach_gatherer)
+        self.reduce_comm: Communicator = self.shard_comm  # gradients' group (attach_gatherer)
         self._accepting_grads = False
         self._reduce_this_micro_batch = False
         self._next_launch = 0
@@ -544,7 +559,7 @@ class ZeroOptimizer:
         if self.settings.stage == 0:
             bucket.handle = self.comm.all_reduce(source, async_op=True)
         elif self.settings.stage == 1:
-            bucket.handle = self.comm.reduce_scatter(bucket.grad_shard, source, True)
+            bucket.handle = self.shard_comm.reduce_scatter(bucket.grad_shard, source, True)
         else:
             output = torch.empty(
                 bucket.layout.shard_numel, dtype=source.dtype, device=source.device
@@ -636,9 +651,18 @@ class ZeroOptimizer:
             raise
         if pending is not None:
             pending.finish()
+        if self._at_boundary and self.groups.replica is not None:
+            self._all_reduce_replicas()
         self.grads_reduced = self._at_boundary
         if self.gatherer is not None:
             self.gatherer.release_all()
+
+    def _all_reduce_replicas(self) -> None:
+        """MiCS: sum every owned gradient shard over the replica group, in bucket order, so
+        each holds the sum over all data-parallel ranks ([Note: MiCS] in hierarchy.py). Once
+        per optimizer step, at the accumulation boundary. Collective over the replica group."""
+        for bucket in self.buckets:
+            self.groups.replica.all_reduce(bucket.reduced_grad())
 
     # ----- step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -740,10 +764,12 @@ class ZeroOptimizer:
         squares = torch.zeros(1, dtype=torch.float32, device=device)
         model_parallel = self.settings.model_parallel
         shard_index = self.layout.shard_of(self.comm.rank)
+        # MiCS: every replica holds the same shards; only the first adds its squares to the sum.
+        counted = self.groups.first_replica or self.layout.num_shards == 1
         for bucket, shard in zip(self.buckets, shards):
-            if model_parallel is None:
+            if counted and model_parallel is None:
                 squares += torch.linalg.vector_norm(shard).square()
-            else:
+            elif counted:
                 squares += model_parallel.shard_squares(bucket.layout, shard, shard_index)
             del shard  # a transient copy is freed before the next one is made
         if self.layout.num_shards > 1 and self.comm.agreement is not None:
@@ -780,7 +806,7 @@ class ZeroOptimizer:
                 handle.wait()
                 in_flight -= size
             pending.append(
-                (self.comm.all_gather(bucket.param_buffer, bucket.param_shard, True), numel)
+                (self.shard_comm.all_gather(bucket.param_buffer, bucket.param_shard, True), numel)
             )
             in_flight += numel
         for handle, _ in pending:

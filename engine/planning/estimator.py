@@ -67,7 +67,10 @@ class Options:
     cpu: the ranks are CPU processes (gloo copies collective buffers; glibc's heap retention,
     footprint [Note: CPU ranks]). runtime_bytes: memory besides tensors per rank (a CUDA context,
     CPU kernel workspaces), bytes. headroom: fraction of device and host memory the fit check
-    keeps free (allocator fragmentation).
+    keeps free (allocator fragmentation). mics_shard_size [zero_optimization.mics_shard_size,
+    -1: off]: stages 1-3 partition over that many ranks. hpz_partition_size
+    [zero_optimization.zero_hpz_partition_size, 1: off]: stage 3 also holds a secondary copy of
+    the parameters partitioned over that many ranks (partition/hierarchy.py).
     """
 
     dtype: str = "bf16"
@@ -85,6 +88,8 @@ class Options:
     cpu: bool = False
     runtime_bytes: int = 0
     headroom: float = 0.2
+    mics_shard_size: int = -1
+    hpz_partition_size: int = 1
 
     @classmethod
     def from_config(cls, config, **overrides) -> "Options":
@@ -103,6 +108,8 @@ class Options:
             unit_threshold=zero.stage3_module_granularity_threshold,
             reuse_numel=zero.stage3_max_reuse_distance,
             gradient_accumulation_steps=config.gradient_accumulation_steps or 1,
+            mics_shard_size=zero.mics_shard_size,
+            hpz_partition_size=zero.zero_hpz_partition_size,
         )
         values.update(overrides)
         return cls(**values)
@@ -207,6 +214,45 @@ def comm_psi(
     return {0: 2.0, 1: 2.0, 2: gas + 1.0}[stage]
 
 
+def shard_count(stage: int, cluster: Cluster, options: Options) -> int:
+    """Ranks each bucket is split over: 1 at stage 0, mics_shard_size with MiCS, else N."""
+    if stage == 0:
+        return 1
+    return options.mics_shard_size if options.mics_shard_size > 0 else cluster.world_size
+
+
+def _inter_fraction(members: range, ranks_per_node: int) -> float:
+    """The inter-node fraction of a collective over global ranks `members`, seen from the
+    first (comm/topology.py [Note: intra- and inter-node volume]); ranks fill nodes in order."""
+    local = sum(1 for m in members if m // ranks_per_node == members[0] // ranks_per_node)
+    return (len(members) - local) / len(members)
+
+
+def tier_comm_psi(
+    stage: int, cluster: Cluster, options: Options, persistent: float = 0.0, kept: float = 0.0
+) -> tuple[float, float]:
+    """(intra-node, inter-node) elements per rank per optimizer step, in Psi (padded), for
+    `cluster` (ranks filling nodes in order) with MiCS and hpZ as `options` set them; the two
+    add up to comm_psi() plus MiCS's replica all-reduce (2 Psi / mics_shard_size). Each
+    collective's share crossing nodes is (n - n_local) / n of its volume (comm/topology.py
+    [Note: intra- and inter-node volume]; partition/hierarchy.py has the per-feature
+    formulas). `persistent`, `kept`: as comm_psi. Pure arithmetic."""
+    n, g = cluster.world_size, cluster.devices_per_node
+    shards = shard_count(stage, cluster, options)
+    f_shard = _inter_fraction(range(shards), g) if stage else 0.0
+    total = comm_psi(stage, options.gradient_accumulation_steps, persistent, kept)
+    inter = total * (f_shard if stage else _inter_fraction(range(n), g))
+    if stage == 3 and options.hpz_partition_size > 1 and options.mics_shard_size < 1:
+        # the backward all-gathers (of the sharded, not kept, part) run over the hpZ group
+        backward = options.gradient_accumulation_steps * (1.0 - persistent - kept)
+        inter -= backward * (f_shard - _inter_fraction(range(options.hpz_partition_size), g))
+    if stage and options.mics_shard_size > 0 and shards < n:
+        replica = 2.0 / shards
+        total += replica
+        inter += replica * _inter_fraction(range(0, n, shards), g)
+    return total - inter, inter
+
+
 def estimate_stage(
     layout: LayoutSummary,
     stage: int,
@@ -221,8 +267,10 @@ def estimate_stage(
     """Bytes per device and per host for one stage of `layout` (see Estimate); `retention`: the
     allocator's resident excess (footprint [Note: CPU ranks]). device: where offloaded state
     goes, "cpu" (default with `offload`) or "nvme"; ratio: the fraction of it offloaded, the
-    rest stays on the device (engine/offload/nvme.py [Note: placement])."""
-    num_shards = 1 if stage == 0 else cluster.world_size
+    rest stays on the device (engine/offload/nvme.py [Note: placement]). MiCS partitions over
+    options.mics_shard_size ranks; hpZ (stage 3) adds its secondary parameter copy,
+    padded Psi / hpz_partition_size elements of the compute dtype, to the model states."""
+    num_shards = shard_count(stage, cluster, options)
     compute = DTYPE_BYTES[options.dtype]
     accum = DTYPE_BYTES[options.grad_accum_dtype]
     device = device or ("cpu" if offload else "none")
@@ -230,6 +278,8 @@ def estimate_stage(
     parts = model_state_formula(spec)
     host_per_rank = offloaded_bytes(parts) if offload else 0
     states = sum(v or 0 for v in parts.values()) - host_per_rank
+    if stage == 3 and options.hpz_partition_size > 1:
+        states += layout.padded_numel // options.hpz_partition_size * compute
     nvme_per_rank = 0
     if offload and (device == "nvme" or ratio < 1):
         kept = replace(spec, offload=False)
@@ -328,7 +378,7 @@ def estimate(
             retention = int(GLIBC_RETENTION * full.peak)
     rows = []
     for stage in range(4):
-        shards = 1 if stage == 0 else cluster.world_size
+        shards = shard_count(stage, cluster, options)
         if model is not None:
             layout = model_layout(model, shards, stage, options)
         else:
@@ -366,6 +416,10 @@ def recommended_config(row: Estimate, options: Options, micro_batch: int = 1) ->
         zero_block["stage3_prefetch_bucket_size"] = options.prefetch_numel
         zero_block["stage3_param_persistence_threshold"] = options.persistence_threshold
         zero_block["stage3_max_reuse_distance"] = options.reuse_numel
+    if options.mics_shard_size > 0 and row.stage > 0:
+        zero_block["mics_shard_size"] = options.mics_shard_size
+    elif options.hpz_partition_size > 1 and row.stage == 3:
+        zero_block["zero_hpz_partition_size"] = options.hpz_partition_size
     if row.offload:
         zero_block["offload_optimizer"] = {"device": row.device, "pin_memory": True}
         if row.device == "nvme":
@@ -553,6 +607,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument(
         "--activation-checkpointing", action="store_true", help="checkpoint every layer"
     )
+    parser.add_argument(
+        "--mics-shard-size",
+        type=int,
+        help="MiCS: partition over groups of this many ranks [zero_optimization.mics_shard_size]",
+    )
+    parser.add_argument(
+        "--hpz-partition-size",
+        type=int,
+        help="hpZ (stage 3): secondary partition over this many ranks "
+        "[zero_optimization.zero_hpz_partition_size]",
+    )
     parser.add_argument("--write-config", metavar="PATH", help="write the recommended config")
     return parser.parse_args(argv)
 
@@ -587,6 +652,10 @@ def options_from_args(args) -> Options:
         given["dtype"] = args.dtype
     if args.grad_accum_dtype:
         given["grad_accum_dtype"] = args.grad_accum_dtype
+    if args.mics_shard_size is not None:
+        given["mics_shard_size"] = args.mics_shard_size
+    if args.hpz_partition_size is not None:
+        given["hpz_partition_size"] = args.hpz_partition_size
     if args.config:
         from ..config import load_config
 

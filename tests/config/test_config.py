@@ -957,12 +957,9 @@ def test_unsupported_block_warns_once():
 
 
 ZERO_PLUS_PLUS = {
-    "zero_hpz_partition_size": (8, "1"),
     "zero_quantized_weights": (True, "false"),
     "zero_quantized_nontrainable_weights": (True, "false"),
     "zero_quantized_gradients": (True, "false"),
-    "mics_shard_size": (4, "-1"),
-    "mics_hierarchical_params_gather": (True, "false"),
 }
 
 
@@ -971,16 +968,16 @@ def test_zero_plus_plus_key_set_is_an_error_naming_it(key):
     value, default = ZERO_PLUS_PLUS[key]
     message = error_of({"zero_optimization": {"stage": 3, key: value}})
     assert f"zero_optimization.{key} = {json.dumps(value)}" in message
-    assert "ZeRO++ / MiCS" in message
+    assert "ZeRO++'s quantized collectives" in message
     assert f"set it to the default ({key}: {default})" in message
 
 
 def test_zero_plus_plus_keys_set_together_are_one_error():
     message = error_of(
-        {"zero_optimization": {"zero_quantized_weights": True, "mics_shard_size": 2}}
+        {"zero_optimization": {"zero_quantized_weights": True, "zero_quantized_gradients": True}}
     )
     assert "zero_optimization.zero_quantized_weights = true" in message
-    assert "zero_optimization.mics_shard_size = 2" in message
+    assert "zero_optimization.zero_quantized_gradients = true" in message
     assert "Remove the keys or set them to the default" in message
 
 

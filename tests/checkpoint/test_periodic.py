@@ -1,0 +1,99 @@
+"""Periodic checkpoints (checkpoint.save_interval_steps, async_save) and auto_resume: a
+background save holds exactly what a blocking one holds, a run resumed from it ends where the
+uninterrupted run ends, and a resume that cannot keep the global batch is refused."""
+
+import os
+
+import pytest
+import torch
+from distributed import run_ranks
+from safetensors.torch import load_file
+
+import zero
+from zero.config import ConfigError, load_config
+
+STEPS = 6
+
+
+def _config(save_dir, **checkpoint):
+    return {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 1000,
+        "checkpoint": {"save_dir": str(save_dir), **checkpoint},
+    }
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(3)
+    return torch.utils.data.TensorDataset(
+        torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g)
+    )
+
+
+def _train(config, steps):
+    torch.manual_seed(0)
+    engine, _, loader, _ = zero.initialize(
+        model=torch.nn.Linear(4, 1), config=config, training_data=_dataset()
+    )
+    batches = iter(loader)
+    while engine.global_steps < steps:
+        x, y = next(batches)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    blocking = list(engine.periodic.blocking_s) if engine.periodic is not None else []
+    engine.close()  # waits for the background save
+    return engine, params, blocking
+
+
+def _ranks(root):
+    rank = int(os.environ["RANK"])
+    uninterrupted, stopped = os.path.join(root, "a"), os.path.join(root, "b")
+    _, final, blocking = _train(_config(uninterrupted, save_interval_steps=2), STEPS)
+    # Stopped after step 4 (blocking saves), then resumed by auto_resume.
+    _train(_config(stopped, save_interval_steps=2, async_save=False), 4)
+    resumed, resumed_final, _ = _train(_config(stopped, auto_resume=True), STEPS)
+    try:
+        _train({**_config(uninterrupted, auto_resume=True), "train_batch_size": 8}, STEPS)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "rank": rank,
+        "final": final,
+        "resumed_final": resumed_final,
+        "resumed_step": resumed.global_steps,
+        "blocking": blocking,
+        "refused": refused,
+    }
+
+
+def test_periodic_async_saves_and_auto_resume(tmp_path):
+    results = run_ranks(_ranks, 2, str(tmp_path), timeout=120)
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert (a / "latest").read_text() == "global_step6"
+    assert sorted(os.listdir(a)) == ["global_step2", "global_step4", "global_step6", "latest"]
+    assert sorted(os.listdir(a / "global_step4")) == sorted(os.listdir(b / "global_step4"))
+    for rank in (0, 1):
+        # The background save holds what the blocking save of the same step holds.
+        name = f"rank{rank}.safetensors"
+        mine, theirs = load_file(a / "global_step4" / name), load_file(b / "global_step4" / name)
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]), key
+    for result in results:
+        assert len(result["blocking"]) == 3
+        assert result["resumed_step"] == STEPS
+        for p, q in zip(result["final"], result["resumed_final"], strict=True):
+            assert torch.equal(p, q)
+        assert "train_batch_size 4 on 2 ranks" in result["refused"]
+        assert "train_batch_size 8 on 2 ranks" in result["refused"]
+
+
+def test_periodic_keys_need_save_dir():
+    for key, value in (("save_interval_steps", 10), ("save_interval_minutes", 5.0)):
+        with pytest.raises(ConfigError, match=f"checkpoint.{key} is set but checkpoint.save_dir"):
+            load_config({"train_batch_size": 1, "checkpoint": {key: value}})
