@@ -25,6 +25,11 @@ bad arguments (an --out that cannot be written is found before any section runs)
 4. throughput: a GPT of about 1B parameters, bf16, stages 0 and 2 at world size 1, beside torch's
    plain AdamW loop (fp32 weights, bf16 autocast) of the same model; then the largest GPT the time
    and host memory allow with optimizer offload, and with parameter offload, at stage 3.
+5. compile: engine.compile() (inductor; aot_eager in --dry) at stages 0-3, world size 1: parity
+   with the eager engine after PARITY_STEPS steps (fp32, COMPILE_TOLERANCE), the graphs compiled
+   and those compiled after the first step (a recompile per step would show there), graph
+   breaks; then, time permitting, the offload-section GPT in bf16 at stages 0 and 3, eager
+   beside compiled: the first step's seconds (compiling is in it) apart from the median step.
 
 [Note: overlap fraction]
 hidden = (T_compute + T_comm - T_backward) / T_comm, clipped to [0, 1]: T_backward is
@@ -80,7 +85,10 @@ PARITY_STEPS = 3
 # the two may part by 2 lr per step, plus one bf16 rounding (2^-8 relative) of the weight.
 BF16_TOLERANCE = "2 * lr * steps + 2^-8 * max|w|"
 ADAM_BYTES = 28  # per element: read p, g, m, v; write p, m, v (fp32)
-SECTION_SHARES = {"ops": 0.12, "stages": 0.23, "offload": 0.15, "throughput": 0.50}
+SECTION_SHARES = {
+    "ops": 0.12, "stages": 0.21, "offload": 0.14, "throughput": 0.43, "compile": 0.10,
+}  # fmt: skip
+COMPILE_TOLERANCE = 1e-5  # fp32, compiled against eager: fused kernels round differently
 
 
 @dataclass(frozen=True)
@@ -964,12 +972,105 @@ def _available_host_bytes() -> int:
     return psutil.virtual_memory().available
 
 
+# ----- section 5: engine.compile() --------------------------------------------------------------
+class _CountingBackend:
+    """A torch.compile backend that counts the graphs Dynamo hands it and compiles each with
+    `name` (the count tells a recompile from a cached graph)."""
+
+    def __init__(self, name: str):
+        self.name, self.__name__, self.graphs = name, name, 0
+
+    def __call__(self, graph, example_inputs, **kwargs):
+        self.graphs += 1
+        return torch._dynamo.lookup_backend(self.name)(graph, example_inputs, **kwargs)
+
+
+def section_compile(check: Check) -> dict:
+    from torch._dynamo.utils import counters
+
+    plan, rows = check.plan, []
+    name = "inductor" if check.cuda else "aot_eager"
+    backend = _CountingBackend(name)  # stages 1-2 reuse the graph stage 0 compiled
+    data = token_batches(plan.parity, PARITY_STEPS, 1)
+    with _one_rank_group("nccl" if check.cuda else "gloo"):
+        for stage in (0, 1, 2, 3):
+            cfg = zero_config(stage, "fp32", plan.parity.micro_batch, bucket=plan.parity_bucket)
+            want = full_params(train_engine(plan.parity, cfg, data, 0, check.device))
+            counters.clear()
+            before = backend.graphs
+            engine = _compiled_engine(plan.parity, cfg, backend, check.device)
+            first = _train_steps(engine, data[:1], check.device)
+            after_first = backend.graphs
+            _train_steps(engine, data[1:], check.device)
+            diff = max_difference(full_params(engine), want)
+            rows.append({"case": f"parity stage {stage}", "backend": name, "stage": stage,
+                         "dtype": "fp32", "max_abs_diff": diff, "tolerance": COMPILE_TOLERANCE,
+                         "graphs": backend.graphs - before,
+                         "recompiles_after_first_step": backend.graphs - after_first,
+                         "graph_breaks": sum(counters["graph_break"].values()),
+                         "first_step_s": first, "ok": diff <= COMPILE_TOLERANCE
+                         and backend.graphs == after_first})  # fmt: skip
+            del engine
+            release()
+        rows += _compile_timing_rows(check, name)
+    check.notes.append(
+        f"backend {name}; stage 3 compiles each block's forward (engine/compiler.py), stages "
+        "0-2 the whole forward; recompiles_after_first_step counts graphs compiled after it"
+    )
+    return {"rows": rows}
+
+
+def _compiled_engine(shape, cfg, backend, device):
+    engine, _, _, _ = zero.initialize(model=build_gpt(shape, device), config=cfg)
+    engine.compile(backend=backend)
+    return engine
+
+
+def _train_steps(engine, data, device) -> float:
+    """Seconds of one optimizer step per entry of data (rank 0's micro-batch), synchronized."""
+    clock = Clock(device)
+    clock.start()
+    for ((x, y),) in data:
+        engine.backward(engine(x.to(device), y.to(device)))
+        engine.step()
+    return clock.stop()
+
+
+def _compile_timing_rows(check: Check, name: str) -> list:
+    """bf16 on the offload-section GPT, stages 0 and 3: eager and compiled first and median
+    steps (a fresh backend per engine: each compiles its own graphs)."""
+    plan, rows = check.plan, []
+    shape = plan.offload
+    data = token_batches(shape, plan.warmup_steps + plan.timed_steps, 1)
+    for stage in (0, 3):
+        for compiled in (False, True):
+            if check.time_left() < 30:
+                check.notes.append(f"timing stage {stage} skipped: section time spent")
+                return rows
+            cfg = zero_config(stage, "bf16", shape.micro_batch, bucket=plan.throughput_bucket)
+            engine, _, _, _ = zero.initialize(model=build_gpt(shape, check.device), config=cfg)
+            if compiled:
+                engine.compile(backend=_CountingBackend(name))
+            first = _train_steps(engine, data[:1], check.device)
+            _train_steps(engine, data[1 : plan.warmup_steps], check.device)
+            steps = [_train_steps(engine, [d], check.device) for d in data[plan.warmup_steps :]]
+            rows.append({"case": f"timing stage {stage}" + (" compiled" if compiled else ""),
+                         "backend": name if compiled else "eager", "stage": stage,
+                         "dtype": "bf16", "params": shape.numel(), "first_step_s": first,
+                         "median_step_s": statistics.median(steps),
+                         "compile_s": first - statistics.median(steps)})  # fmt: skip
+            del engine
+            release()
+    return rows
+
+
 # ----- main ------------------------------------------------------------------------------------
 SECTIONS = [
     ("ops", section_ops),
     ("stages", section_stages),
     ("offload", section_offload),
     ("throughput", section_throughput),
+    ("compile", section_compile),
 ]
 
 

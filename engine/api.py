@@ -66,6 +66,11 @@ def initialize(
 
     Returns (engine, optimizer, dataloader or None, lr_scheduler or None).
 
+    With `"checkpoint": {"auto_resume": true, "save_dir": DIR}` the engine then resumes from
+    DIR's `latest` checkpoint, if there is one, at this job's world size, the data loader
+    included (Engine.resume_latest; ValueError when train_batch_size differs from the
+    checkpoint's).
+
     ZeRO-Inference: with no optimizer= and no `optimizer` block, or a model none of whose
     parameters requires grad (a given optimizer or block is then not used, with a warning), the
     engine runs forward, evaluation and generation at any stage and holds the parameters only

@@ -11,12 +11,13 @@ graph break. The parameters are views of zero's flat buffers whose storage the o
 updates in place, so no step changes what the graph's guards check (no recompile per step).
 
 Stage 3 compiles each block's forward separately, as torchtitan compiles each FSDP2 block. A
-block is a stage-3 fetch unit ([Note: fetch units] in partition/stage3.py) whose module holds only
-parameters of its own unit or of the persistent one: gathering and releasing happen in the unit's
-forward pre- and post-hooks, which run eagerly around the compiled forward (nn.Module.compile()
-would compile __call__, hooks included). A parent whose children are units of their own, and a
-module that uses another unit's parameter (a tied lm_head), run eagerly. Three things keep a
-block's graph stable:
+block is the module of a stage-3 fetch unit ([Note: fetch units] in partition/stage3.py) with no
+other unit's module below it, all of whose parameters belong to its own unit or to the
+persistent one (blocks()); gathering and releasing happen in the unit's forward pre- and
+post-hooks, which run eagerly around the compiled forward (nn.Module.compile() would compile
+__call__, hooks included). A parent whose children are units of their own and a module that
+uses another unit's parameter (a tied lm_head) run eagerly; a model all of whose parameters
+persist, or that is one unit, compiles whole. Three things keep a block's graph stable:
 - A gathered parameter has its full shape, dtype and strides on every call; the storage differs
   from call to call (a new gathered buffer), which no guard checks: no recompile per step.
   The graph's saved weights go through the engine's saved-tensor hooks ([Note: saved weights]
@@ -99,16 +100,30 @@ def compile_model(
 
 
 def blocks(module, gatherer) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every stage-3 block: a non-persistent fetch unit whose module's
-    parameters all belong to that unit or to the persistent one ([Note: what is compiled])."""
-    names = {id(m): n for n, m in module.named_modules()}
+    """(name, module) of the stage-3 blocks, outermost first ([Note: what is compiled]): a
+    module without another unit's module below it, all of whose parameters belong to its own
+    unit or to the persistent one, that is a unit's module or the root (a model all of whose
+    parameters persist, or that is one unit, compiles whole)."""
+    unit_of_module = {id(u.module): u for u in gatherer.units if not u.persistent}
     found = []
-    for unit in gatherer.units:
-        if unit.persistent:
-            continue
-        owners = [gatherer.unit_of(p) for p in unit.module.parameters()]
-        if all(owner is unit or owner is None or owner.persistent for owner in owners):
-            found.append((names.get(id(unit.module), unit.name), unit.module))
+
+    def has_unit_below(parent) -> bool:
+        return any(id(m) in unit_of_module for m in parent.modules() if m is not parent)
+
+    def own(parent, unit) -> bool:
+        owners = [gatherer.unit_of(p) for p in parent.parameters()]
+        return all(o is None or o.persistent or o is unit for o in owners)
+
+    def visit(name, parent) -> None:
+        unit = unit_of_module.get(id(parent))
+        if not has_unit_below(parent):
+            if (unit is not None or parent is module) and own(parent, unit):
+                found.append((name, parent))
+            return
+        for child_name, child in parent.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", module)
     return found
 
 

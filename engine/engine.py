@@ -33,7 +33,7 @@ from .offload import nvme, param_swap
 from .optim import build_optimizer, resolve_optimizer
 from .optim.lr_schedules import build_scheduler
 from .optim.precision import LossScaler
-from .partition import gathered
+from .partition import gathered, zeropp
 from .partition.flat import FlatLayout
 from .partition.hierarchy import num_shards, partition_groups
 from .partition.init import (
@@ -243,6 +243,7 @@ class Engine(torch.nn.Module):
                     lambda *args: self._release_after_state_dict(*args)
                 )
                 guard_load_state_dict(module)
+        self._quantize_collectives()
         gathered.register(self.optimizer)
         # below stage 3 frozen parameters stay whole, outside the layout (Engine._check_params)
         self._whole_frozen = self._frozen_named(named_groups) if config.zero.stage < 3 else []
@@ -314,6 +315,24 @@ class Engine(torch.nn.Module):
 
     def _num_shards(self) -> int:
         return num_shards(self.config.zero, self.comm.world_size)
+
+    def _quantize_collectives(self) -> None:
+        """ZeRO++ qwZ and qgZ (partition/zeropp.py) from zero_optimization's
+        zero_quantized_weights, zero_quantized_nontrainable_weights and
+        zero_quantized_gradients, with zero.ops.quantize as the codec. Collective with qgZ
+        (every rank makes its node's and its inter-node group)."""
+        zero_cfg = self.config.zero
+        weights = zero_cfg.zero_quantized_weights or zero_cfg.zero_quantized_nontrainable_weights
+        if not (weights or zero_cfg.zero_quantized_gradients):
+            return
+        from zero.ops import quantize as codec
+
+        if self.gatherer is not None:
+            self.gatherer.quantized = zeropp.quantized_weights(zero_cfg, codec)
+        if self.optimizer.trains:
+            self.optimizer.quantized_reduce = zeropp.quantized_gradients(
+                zero_cfg, self.optimizer.reduce_comm, codec, self.config.agreement_timeout
+            )
 
     def _model_parallel_norm(self, mpu):
         """With tensor parallelism, the gradient norm counts each model-parallel slice and each

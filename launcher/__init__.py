@@ -3,7 +3,8 @@
 hostfile.py (hostfile, --include/--exclude) -> world.py (WorldLayout) -> runner.py (local
 agents) or remote.py (ssh, pdsh, srun, mpirun; one agent per node) -> agent.py (one process per
 slot, torch.distributed's elastic agent). environment.py decides what every rank's environment
-gets; nodelist.py reads SLURM node lists.
+gets; nodelist.py reads SLURM node lists; rendezvous.py holds an elastic job's node range,
+rendezvous options and the c10d store zrun hosts ([Note: elastic rendezvous] in agent.py).
 """
 
 import dataclasses
@@ -26,7 +27,9 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     """Run zrun with ``argv`` (default sys.argv[1:]); returns the process exit code.
 
-    0 on success; the first failed rank's exit code (128 + N if it was killed by signal N);
+    0 on success (elastic, --nnodes MIN:MAX / --max_restarts: once an agent reported that its
+    ranks succeeded, whichever nodes were lost on the way); the first failed rank's exit code
+    (128 + N if it was killed by signal N);
     128 + N when zrun itself receives signal N; 2 for a usage error found before anything
     starts (bad flag, hostfile, selection, .zero_env or --env; a host ssh cannot reach), with
     one line on stderr.

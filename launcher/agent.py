@@ -444,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m zero.launcher.agent``; returns the node's exit code.
 
     Raises:
-        ValueError: --nproc_per_node or --num_nodes < 1, a node rank that cannot be resolved
+        ValueError: --nproc_per_node or --num_nodes < 1, a malformed --nnodes, --max_restarts
+            < 0, a node rank that cannot be resolved
             (see resolve_node), or --log_dir that cannot be created.
     """
     args = build_parser().parse_args(argv)

@@ -196,9 +196,11 @@ class JobRunner:
             time.sleep(_POLL_INTERVAL_S)
 
     def _wait_elastic(self) -> int:
-        """[Note: an elastic job's end] The job goes on while any launch runs; it succeeded
-        once an agent reported success in the store. Launches still running then (a node that
-        was waiting to join) are stopped after _ELASTIC_FINISH_GRACE_S."""
+        """An elastic job goes on while any launch runs; a launch that fails is reported (a
+        node left) but stops nothing. The job succeeded once an agent reported success in
+        zrun's store (pdsh and srun report one code for all nodes, so their codes cannot tell);
+        launches still running then (a node waiting to join) are stopped after
+        _ELASTIC_FINISH_GRACE_S. Without a success, the first failed launch's code."""
         reported: set[int] = set()
         finished_at = None
         while True:

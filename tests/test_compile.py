@@ -56,12 +56,12 @@ class _Mlp(torch.nn.Module):
         )
 
     def forward(self, x, y):
-        h = torch.nn.functional.one_hot(x, VOCAB)[..., :8].float()
+        dtype = self.blocks[0][0].weight.dtype  # the engine's compute dtype
+        h = torch.nn.functional.one_hot(x, VOCAB)[..., :8].to(dtype)
         for block in self.blocks:
             h = h + block(h)
-        return torch.nn.functional.mse_loss(
-            h, torch.nn.functional.one_hot(y, VOCAB)[..., :8].float()
-        )
+        target = torch.nn.functional.one_hot(y, VOCAB)[..., :8].float()
+        return torch.nn.functional.mse_loss(h.float(), target)
 
 
 def _llama():
@@ -177,6 +177,17 @@ def _api_checks() -> dict:
     out["idempotent"] = engine.module.forward is first and engine.is_compiled
     engine.close()
     out["restored"] = "forward" not in vars(engine.module)
+    # stage 3, every parameter persistent (below stage3_param_persistence_threshold): the
+    # model compiles whole
+    config = _config(3)
+    del config["zero_optimization"]["stage3_param_persistence_threshold"]
+    engine, *_ = zero.initialize(model=_gpt(1), config=config)
+    engine.compile(backend="aot_eager")
+    x = torch.randint(0, VOCAB, (MICRO, SEQ))
+    engine.backward(engine(x, x))
+    engine.step()
+    out["persistent_blocks"] = engine._compiled.names
+    engine.close()
     try:
         zero.initialize(model=torch.compile(_gpt(1), backend="aot_eager"), config=_config(2))
     except ValueError as error:
@@ -194,8 +205,8 @@ def _sweep() -> dict:
             results[(name, stage)] = _parity(build, _config(stage), backend, llama=name == "llama")
     # mixed precision, loss scaling, clipping, CPU offload, activation checkpointing
     backend = CountingBackend()
-    results["fp16"] = _parity(_gpt, _config(1, "fp16", clip=0.05), backend)
-    results["bf16_offload"] = _parity(_gpt, _config(2, "bf16", offload=True), backend)
+    results["fp16"] = _parity(_Mlp, _config(1, "fp16", clip=0.05), backend)
+    results["bf16_offload"] = _parity(_Mlp, _config(2, "bf16", offload=True), backend)
     checkpointed = _config(3, offload=True)
     results["z3_checkpointing_offload"] = _parity(lambda: _gpt(2, True), checkpointed, backend)
     results["inductor"] = _parity(_Mlp, _config(3, unit=150), CountingBackend("inductor"))
@@ -257,6 +268,7 @@ def test_compile_api(sweep):
     assert api["compiled_autograd"].startswith("NotImplementedError")
     assert api["bad_kwarg"].startswith("TypeError") and "fulgraph" in api["bad_kwarg"]
     assert api["idempotent"] is True and api["restored"] is True
+    assert api["persistent_blocks"] == [""]
     assert (
         "engine.compile()" in api["optimized_module"]
         and "OptimizedModule" in api["optimized_module"]

@@ -38,9 +38,10 @@ logger = logging.getLogger("zero")
 
 _CHUNK_BYTES = 4 << 20  # read size of the crc32 pass
 # What a checkpoint directory can hold (safetensors writes `.tmpXXXXXX` and renames it).
-# periodic.py's ranks leave rank<r>.written.json beside their file until rank 0 publishes.
+# periodic.py's ranks leave rank<r>.written.json (or .failed.json) until rank 0 publishes.
 _CHECKPOINT_ENTRY = re.compile(
-    r"meta\.json|module\.safetensors|rank\d+\.safetensors|rank\d+\.written\.json|\.tmp\w+"
+    r"meta\.json|module\.safetensors|rank\d+\.safetensors|rank\d+\.(written|failed)\.json"
+    r"|\.tmp\w+"
 )
 
 

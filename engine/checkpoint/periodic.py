@@ -18,19 +18,24 @@ directory is shared, as for any multi-node checkpoint), removes them, writes met
 publishes the directory and `latest` with the renames of [Note: crash-safe publication] in
 files.py. No collective runs off the training thread, so the background work can never
 interleave with the training collectives. A crash at any point leaves `latest` naming the
-previous complete checkpoint; the next save removes the `.tmp` leftovers.
+previous complete checkpoint; the next save removes the `.tmp` leftovers. At interpreter exit
+the saves in flight are finished, unless the script ends on an uncaught exception: a rank whose
+peer died must exit so that its agent can restart it, not wait for the peer's part.
 
 A rank that fails to write leaves `rank<r>.failed.json` instead, rank 0 then abandons the tag
-(logged on both), and training goes on; the error is raised on that rank at its next save.
+(logged on both), and training goes on; the next periodic save tries again (and removes the
+abandoned `<tag>.tmp/`).
 Before a new snapshot, a save_checkpoint/load_checkpoint or close, each rank waits for its own
 thread (rank 0 for the publication too), so two saves never share a directory and `latest` only
 moves forward.
 """
 
+import atexit
 import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -88,8 +93,13 @@ class AsyncSave:
         self.snapshot = snapshot
         self.error: BaseException | None = None
         self.started = time.monotonic()
-        # Not a daemon: the interpreter finishes a write in progress before it exits.
-        self._thread = threading.Thread(target=self._run, name=f"zero-save-{snapshot.tag}")
+        # A daemon, finished at exit by _finish_at_exit unless the process ends on an error: a
+        # rank whose peer died must exit (so its agent can restart it), not wait for the peer's
+        # part of the checkpoint.
+        self._thread = threading.Thread(
+            target=self._run, name=f"zero-save-{snapshot.tag}", daemon=True
+        )
+        _in_flight.add(self)
         self._thread.start()
 
     def done(self) -> bool:
@@ -116,11 +126,19 @@ class AsyncSave:
                 _create_json(os.path.join(tmp, _written_marker(snap.rank)), [size, crc])
         except BaseException as error:  # reported by wait() on the training thread
             self.error = error
-            logger.error("rank %d: checkpoint %s was not saved: %s", snap.rank, snap.tag, error)
+            logger.error(
+                "rank %d: checkpoint %s was not saved (%s: %s); %s still names the previous one",
+                snap.rank,
+                snap.tag,
+                type(error).__name__,
+                error,
+                os.path.join(snap.save_dir, LATEST),
+            )
             if snap.rank != 0:
                 self._leave_failure_marker(tmp, error)
         finally:
             snap.rank_tensors = snap.module_tensors = {}  # free the host copies
+            _in_flight.discard(self)
 
     def _write(self, tmp: str) -> tuple[int, str]:
         snap = self.snapshot
@@ -166,6 +184,25 @@ class AsyncSave:
             time.sleep(_POLL_S)
 
 
+_in_flight: set[AsyncSave] = set()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At interpreter exit: finish the background saves, unless the script ends on an uncaught
+    exception (then the checkpoint being written is abandoned: `latest` names the last one)."""
+    if getattr(sys, "last_value", None) is not None:
+        for save in list(_in_flight):
+            logger.warning(
+                "rank %d: exiting on an error; checkpoint %s, being written, is abandoned",
+                save.snapshot.rank,
+                save.snapshot.tag,
+            )
+        return
+    for save in list(_in_flight):
+        save.wait()
+
+
 class PeriodicCheckpointer:
     """Saves a checkpoint to checkpoint.save_dir every save_interval_steps optimizer steps
     and/or at the first step save_interval_minutes after the previous one (rank 0's clock,
@@ -189,6 +226,7 @@ class PeriodicCheckpointer:
         self.pending: AsyncSave | None = None
         self.last_save = time.monotonic()
         self.blocking_s: list[float] = []  # per checkpoint: how long step() waited for it
+        self.failures = 0  # background saves that did not publish (logged as they failed)
 
     @classmethod
     def from_config(cls, config) -> "PeriodicCheckpointer | None":
@@ -223,17 +261,13 @@ class PeriodicCheckpointer:
 
     def wait(self) -> None:
         """Finish the checkpoint being written, if any (this rank's part; rank 0: also its
-        publication). Not a collective. Raises the CheckpointError or OSError the write met."""
+        publication). Not a collective, and it raises nothing: a failed background write was
+        logged (ERROR) on the rank that met it and on rank 0, `latest` still names the previous
+        checkpoint, and the count is in ``failures`` (raising on one rank while the others go
+        on into a collective would stop the job)."""
         pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        error = pending.wait()
-        if error is not None:
-            raise CheckpointError(
-                f"rank {pending.snapshot.rank}: the background save of checkpoint "
-                f"{pending.snapshot.tag} failed ({type(error).__name__}: {error}); "
-                f"{os.path.join(pending.snapshot.save_dir, LATEST)} still names the previous one"
-            ) from error
+        if pending is not None and pending.wait() is not None:
+            self.failures += 1
 
 
 def snapshot(engine, save_dir: str, wait_timeout_s: float) -> _Snapshot:

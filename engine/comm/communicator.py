@@ -94,6 +94,7 @@ class Communicator:
         # Which ranks share a node (topology.py); None: one node, nothing counts as inter-node.
         self.topology = topology
         self._local_count: int | None = None  # this rank's group members on its node
+        self._node_groups: tuple | None = None  # node_groups(), made at its first call
         # [Note: collective timing] None = no timing; else the collective names whose `seconds`
         # are measured (an empty set: all). A collective's `seconds` run from its launch until
         # its wait() returns (for asynchronous ones this includes the compute it overlapped
@@ -150,6 +151,35 @@ class Communicator:
             self.agreement = Agreement(self._global_ranks(), self.rank, timeout_s)
         return self.agreement
 
+    def node_groups(self, timeout_s: float | None = None) -> tuple["Communicator", "Communicator"]:
+        """(intra, inter): Communicators over this group's ranks on this rank's node, and over
+        the ranks with this rank's local index on every node (one per node, in node order),
+        from `topology` (one node when None), counting into this ledger. For hierarchical
+        collectives (ZeRO++'s qgZ). Collective over this group at the first call (every rank
+        calls it; each creates the two groups it belongs to); cached after. Raises ValueError,
+        naming the node sizes, when the nodes hold different numbers of this group's ranks."""
+        if self._node_groups is None:
+            ranks = self._global_ranks()
+            topology = self.topology or single_node(ranks)
+            by_node: dict[int, list[int]] = {}
+            for member, rank in enumerate(ranks):
+                by_node.setdefault(topology.node_of(rank), []).append(member)
+            sizes = {node: len(members) for node, members in by_node.items()}
+            if len(set(sizes.values())) > 1:
+                raise ValueError(
+                    f"rank {self.rank}: the nodes hold different numbers of ranks ({sizes}, from "
+                    f"{topology.source}); intra- and inter-node groups need equal nodes: set "
+                    "ZERO_RANKS_PER_NODE, or launch the same number of ranks on every node"
+                )
+            intra = by_node[topology.node_of(ranks[self.rank])]
+            local = intra.index(self.rank)
+            inter = [by_node[node][local] for node in sorted(by_node)]
+            self._node_groups = (
+                self.subgroup("intra-node", intra, timeout_s),
+                self.subgroup("inter-node", inter, timeout_s),
+            )
+        return self._node_groups
+
     def global_ranks(self) -> list[int]:
         """The global ranks of this group, in group-rank order. Not a collective."""
         return self._global_ranks()
@@ -195,8 +225,16 @@ class Communicator:
                 self._backend = ""
         return self._backend
 
-    def _record(self, op: str, elements: int, tensor: torch.Tensor) -> None:
-        if self.world_size > 1:
+    def _record(
+        self, op: str, elements: int, tensor: torch.Tensor, quantized: int | None = None
+    ) -> None:
+        if self.world_size > 1 and quantized is not None:
+            # ZeRO++: `quantized` values (paper units) travel as `tensor`'s bytes, recorded
+            # under op + "_q" so the plain ops' totals stay in elements of the compute dtype.
+            op, nbytes = op + "_q", tensor.numel() * tensor.element_size()
+            inter = self.inter_node_elements(quantized)
+            self.ledger.record(op, quantized, 0, inter, nbytes, self.inter_node_elements(nbytes))
+        elif self.world_size > 1:
             inter = self.inter_node_elements(elements)
             self.ledger.record(op, elements, tensor.element_size(), inter)
             if self.verbose:
@@ -277,14 +315,21 @@ class Communicator:
         return start
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        quantized: int | None = None,
     ) -> Handle:
         """Concatenate every rank's `input` (n elements) into `output` (world_size * n elements).
 
         `input` may be rank r's own slice of `output` (in-place gather, no extra buffer).
+        `quantized`: the buffers hold quantized data standing for this many values (ZeRO++
+        qwZ, zero.comm.quantized); the ledger records them under "all_gather_q" with output's
+        bytes.
         """
         assert output.numel() == input.numel() * self.world_size, (output.shape, input.shape)
-        self._record("all_gather", output.numel(), output)
+        self._record("all_gather", output.numel(), output, quantized)
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
@@ -372,17 +417,22 @@ class Communicator:
             dist.barrier(group=self.group)
 
     def all_to_all_single(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        quantized: int | None = None,
     ) -> Handle:
         """Rank r sends slice p of `input` (world_size equal slices, numel divisible by
         world_size) to rank p, which receives it as slice r of `output` (same numel and dtype,
         not overlapping `input`). Counted as input.numel() elements of input's dtype, as a
-        reduce-scatter counts its input (ZeRO++ qgZ's exchanges, zero.comm.quantized)."""
+        reduce-scatter counts its input (ZeRO++ qgZ's exchanges, zero.comm.quantized).
+        `quantized`: as for all_gather ("all_to_all_q", input's bytes)."""
         assert output.numel() == input.numel() and input.numel() % self.world_size == 0, (
             output.shape,
             input.shape,
         )
-        self._record("all_to_all", input.numel(), input)
+        self._record("all_to_all", input.numel(), input, quantized)
         if self.world_size == 1:
             output.copy_(input)
             return Handle()

@@ -51,15 +51,25 @@ class CommLedger:
     frozen: int = 0
     last_frozen: int = 0
 
-    def record(self, op: str, elements: int, element_size: int, inter_elements: int = 0) -> None:
+    def record(
+        self,
+        op: str,
+        elements: int,
+        element_size: int,
+        inter_elements: int = 0,
+        nbytes: int | None = None,
+        inter_bytes: int | None = None,
+    ) -> None:
         """Count one collective of `elements` (paper units) of `element_size` bytes each,
-        `inter_elements` of them exchanged with other nodes."""
+        `inter_elements` of them exchanged with other nodes. `nbytes` / `inter_bytes`, when
+        given, are the bytes really moved (ZeRO++'s quantized collectives, op names ending in
+        "_q": `elements` counts the values they stand for, whatever their width)."""
         totals = self.current.setdefault(op, OpTotals())
         totals.calls += 1
         totals.elements += elements
-        totals.bytes += elements * element_size
+        totals.bytes += elements * element_size if nbytes is None else nbytes
         totals.inter_elements += inter_elements
-        totals.inter_bytes += inter_elements * element_size
+        totals.inter_bytes += inter_elements * element_size if inter_bytes is None else inter_bytes
 
     def tiers(self, step: dict | None = None) -> dict[str, int]:
         """Bytes and elements of one step's collectives (`step`: op -> OpTotals, default the

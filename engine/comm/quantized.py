@@ -45,11 +45,14 @@ of the exact sum (about 0.148 * sum A_k for int4, 0.0079 for int8), plus fp32 ro
 NaN in every element of that block (an overflow still reaches the loss scaler).
 
 Bytes in the ledgers (Communicator conventions: an all-to-all counts its whole input buffer, this
-rank's own slice included; the bytes crossing a link are (L - 1) / L and (N - 1) / N of them):
-    qwZ all_gather, n-element shard:  W * n * bits/8 values + 4 * W * ceil(n / block_size) scales
-    qgZ intra all_to_all:             M * bits/8 + 4 * M / block_size
-    qgZ inter all_to_all:             (M / L) * bits/8 + 4 * (M / L) / block_size
-against W * n * element_size for a plain all-gather and M * element_size for a reduce-scatter.
+rank's own slice included; the bytes crossing a link are (L - 1) / L and (N - 1) / N of them),
+recorded under "all_gather_q" and "all_to_all_q" with the real bytes and, as elements, the
+values they stand for (W * n; M and M / L; the scales add bytes, no elements):
+    qwZ all_gather_q, n-element shard:  W * n * bits/8 values + 4 * W * ceil(n / block_size) scales
+    qgZ intra all_to_all_q:             M * bits/8 + 4 * M / block_size
+    qgZ inter all_to_all_q:             (M / L) * bits/8 + 4 * (M / L) / block_size
+against W * n * element_size for a plain all-gather and M * element_size for a reduce-scatter
+(M: the padded size when chunks are padded to whole blocks, see quantized_reduce_scatter).
 """
 
 from __future__ import annotations
@@ -148,8 +151,8 @@ def quantized_all_gather(
     scales = torch.empty((world, _num_blocks(numel, block_size)), device=input.device)
     codec.quantize(input.reshape(-1), block_size, bits, values=values[rank], scales=scales[rank])
     handles = [
-        comm.all_gather(values.view(-1), values[rank], async_op=True),
-        comm.all_gather(scales.view(-1), scales[rank], async_op=True),
+        comm.all_gather(values.view(-1), values[rank], async_op=True, quantized=world * numel),
+        comm.all_gather(scales.view(-1), scales[rank], async_op=True, quantized=0),
     ]
 
     def finish() -> None:
@@ -182,8 +185,11 @@ def quantized_reduce_scatter(
 
     intra: the Communicator of this rank's node (L ranks, intra.rank = local rank); inter: of
     the ranks with this local rank on each of the N nodes (inter.rank = node). input: M
-    elements, M a multiple of N * L * block_size (pad as the flat layout pads its buckets),
-    contiguous float32 / bfloat16 / float16. output: contiguous, S = M / (N * L) elements of any
+    elements, M a multiple of N * L (as the flat layout pads its buckets), contiguous float32 /
+    bfloat16 / float16; when S = M / (N * L) is not a multiple of block_size, every chunk is
+    copied into a zero-padded one of S' = ceil(S / block_size) * block_size elements first
+    (one transient buffer of N * L * S' elements; the ledger then counts M' = N * L * S').
+    output: contiguous, S elements of any
     of those dtypes; it receives chunk hierarchical_rank(intra, inter) of the sum, the shard a
     reduce-scatter over the N * L ranks (numbered node by node) returns, within the tolerance
     of [Note: qgZ's tolerance]. bits: 4 (the paper's int4) or 8, at both levels; codec:
@@ -194,13 +200,12 @@ def quantized_reduce_scatter(
     nodes, local = inter.world_size, intra.world_size
     world, numel = nodes * local, input.numel()
     _check_format("quantized_reduce_scatter", hierarchical_rank(intra, inter), block_size, bits)
-    if numel % (world * block_size) != 0 or output.numel() * world != numel:
+    if numel % world != 0 or output.numel() * world != numel:
         raise ValueError(
             f"rank {hierarchical_rank(intra, inter)}: quantized_reduce_scatter over {nodes} "
-            f"node(s) x {local} rank(s) needs input.numel() a multiple of world_size * "
-            f"block_size = {world} * {block_size} and output.numel() = input.numel() / "
-            f"{world}; got {numel} and {output.numel()}: pad the gradient buffer to a multiple "
-            f"of {world * block_size} elements"
+            f"node(s) x {local} rank(s) needs input.numel() a multiple of world_size = "
+            f"{world} and output.numel() = input.numel() / {world}; got {numel} and "
+            f"{output.numel()}: pad the gradient buffer to a multiple of {world} elements"
         )
     if not (input.is_contiguous() and output.is_contiguous()):
         raise TypeError(
@@ -208,6 +213,15 @@ def quantized_reduce_scatter(
             "output must be contiguous; pass .contiguous() tensors"
         )
     chunk = numel // world
+    if chunk % block_size:
+        # Blocks must not straddle chunks: pad each chunk with zeros to whole blocks.
+        padded = -(-chunk // block_size) * block_size
+        source = input.new_zeros((world, padded))
+        source[:, :chunk].copy_(input.view(world, chunk))
+        result = output.new_empty(padded)
+        quantized_reduce_scatter(intra, inter, result, source, codec, block_size, bits)
+        output.view(-1).copy_(result[:chunk])
+        return
     # Steps 1-3: this rank's node's sum of chunks n' * L + l for every node n', node-major.
     partial = _reduce_in_node(intra, codec, input.view(nodes, local, chunk), block_size, bits)
     # Steps 4-5.
@@ -215,7 +229,7 @@ def quantized_reduce_scatter(
         output.view(-1).copy_(partial.view(-1))
         return
     sent = codec.quantize(partial.view(nodes, chunk), block_size, bits)
-    received = _exchange(inter, *sent)
+    received = _exchange(inter, *sent, nodes * chunk)
     codec.dequantize(*received, chunk, block_size, bits, out=output.view(-1), reduce=True)
 
 
@@ -232,7 +246,7 @@ def _reduce_in_node(
     # quantized bytes are moved (1/4 to 1/8 of the gradient's), not the gradient.
     values = values.transpose(0, 1).contiguous()
     scales = scales.transpose(0, 1).contiguous()
-    received_values, received_scales = _exchange(intra, values, scales)
+    received_values, received_scales = _exchange(intra, values, scales, nodes * local * chunk)
     partial = codec.dequantize(
         received_values.view(local, -1),
         received_scales.view(local, -1),
@@ -245,14 +259,19 @@ def _reduce_in_node(
 
 
 def _exchange(
-    comm: Communicator, values: torch.Tensor, scales: torch.Tensor
+    comm: Communicator, values: torch.Tensor, scales: torch.Tensor, elements: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-to-all of rows: row p of values and scales goes to rank p; row p of the results came
-    from rank p. Both collectives are in flight together."""
+    from rank p. Both collectives are in flight together. `elements`: the values the rows stand
+    for (the ledger's "all_to_all_q" elements; the scales count bytes only)."""
     received_values, received_scales = torch.empty_like(values), torch.empty_like(scales)
     handles = [
-        comm.all_to_all_single(received_values.view(-1), values.view(-1), async_op=True),
-        comm.all_to_all_single(received_scales.view(-1), scales.view(-1), async_op=True),
+        comm.all_to_all_single(
+            received_values.view(-1), values.view(-1), async_op=True, quantized=elements
+        ),
+        comm.all_to_all_single(
+            received_scales.view(-1), scales.view(-1), async_op=True, quantized=0
+        ),
     ]
     for handle in handles:
         handle.wait()

@@ -132,6 +132,9 @@ def exchange_nodes(ranks: list[int], global_rank: int, node_key: str, store) -> 
     prefix = dist.PrefixStore(f"zero-topology/{group_name}/", store)
     prefix.set(str(global_rank), node_key)
     keys = [str(r) for r in ranks]
-    values = prefix.multi_get(keys) if hasattr(prefix, "multi_get") else map(prefix.get, keys)
+    try:
+        values = prefix.multi_get(keys)  # one round trip (torch >= 2.5, most stores)
+    except (AttributeError, NotImplementedError):
+        values = [prefix.get(key) for key in keys]
     index: dict[bytes, int] = {}
     return {r: index.setdefault(bytes(v), len(index)) for r, v in zip(ranks, values)}

@@ -2,8 +2,8 @@
 
 Every bucket size, prefetch size and persistence threshold here counts ELEMENTS, not bytes.
 Also owns the ZeRO++ / MiCS keys: MiCS (mics_shard_size) and hpZ (zero_hpz_partition_size) are
-implemented (partition/hierarchy.py); the quantized ones (qwZ, qgZ) are accepted only at their
-defaults. ZenFlow is refused.
+implemented (partition/hierarchy.py), and so are the quantized ones, qwZ and qgZ
+(partition/zeropp.py). ZenFlow is refused.
 """
 
 import sys
@@ -97,21 +97,12 @@ class LeafModuleConfig(_Block):
     name_suffixes: _Names = Field((), description="Module name suffixes (a list, or one string).")
 
 
-# ZeRO++ (arXiv 2306.10209) quantization keys: accepted at their defaults, which switch the
-# features off, so DeepSpeed files that spell the defaults out still load.
-_ZERO_PLUS_PLUS_KEYS = (
-    "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients",
-)
-
-
 class ZeroConfig(_Block):
     """DeepSpeed ``zero_optimization``. Every size here counts elements, not bytes.
 
     ``overlap_comm`` is resolved at load time: true for stage 3, false otherwise, unless given.
     MiCS (``mics_shard_size``, stages 1-3) and hpZ (``zero_hpz_partition_size``, stage 3) are
-    implemented; the quantized ZeRO++ keys other than their defaults are errors.
+    implemented, and so are the quantized ZeRO++ keys (qwZ: stage 3; qgZ: stages 2 and 3).
     """
 
     stage: Annotated[int, BeforeValidator(_to_stage)] = Field(
@@ -197,12 +188,20 @@ class ZeroConfig(_Block):
         description="ZeRO++ hpZ (stage 3): ranks per secondary parameter partition (usually the "
         "ranks per node); backward all-gathers stay within that group. 1 disables.",
     )
-    zero_quantized_weights: bool = Field(False, description="ZeRO++ quantized weight all-gather.")
+    zero_quantized_weights: bool = Field(
+        False,
+        description="ZeRO++ qwZ (stage 3): parameter all-gathers as block-wise int8, "
+        "dequantized into the compute dtype on arrival; master weights stay exact.",
+    )
     zero_quantized_nontrainable_weights: bool = Field(
-        False, description="ZeRO++ keep non-trainable weights quantized."
+        False,
+        description="ZeRO++ qwZ for frozen parameters only (stage 3): their all-gathers as "
+        "block-wise int8. Unlike DeepSpeed, their shards stay in the compute dtype in memory.",
     )
     zero_quantized_gradients: bool = Field(
-        False, description="ZeRO++ quantized gradient reduce-scatter."
+        False,
+        description="ZeRO++ qgZ (stages 2-3): gradient reduce-scatter as block-wise int4 "
+        "all-to-alls within each node, then across nodes.",
     )
     mics_shard_size: _whole(-1, "a number of ranks, or -1") = Field(
         -1,
@@ -268,22 +267,23 @@ class ZeroConfig(_Block):
         return value
 
     @model_validator(mode="after")
-    def _refuse_zero_plus_plus(self) -> "ZeroConfig":
-        # Quantized or hierarchical collectives change the numerics and the communication
-        # pattern: a run that ignored them would not be the run the config describes.
-        fields = type(self).model_fields
-        changed = [k for k in _ZERO_PLUS_PLUS_KEYS if getattr(self, k) != fields[k].default]
-        if not changed:
-            return self
-        given = ", ".join(f"zero_optimization.{k} = {_show(getattr(self, k))}" for k in changed)
-        defaults = ", ".join(f"{k}: {_show(fields[k].default)}" for k in changed)
-        raise _not_implemented(
-            f"{given}: zero does not implement ZeRO++'s quantized collectives (quantized "
-            "weights or gradients). Remove the key"
-            f"{'s' if len(changed) > 1 else ''} or set {'them' if len(changed) > 1 else 'it'} "
-            f"to the default ({defaults}); zero then trains with full-precision collectives "
-            "over the whole data-parallel group."
-        )
+    def _check_quantized(self) -> "ZeroConfig":
+        # ZeRO++ qwZ / qgZ (partition/zeropp.py): where a key would change nothing, refuse it,
+        # since a run that ignored it would not be the run the config describes.
+        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+            if getattr(self, key) and self.stage != 3:
+                raise _cross(
+                    f"zero_optimization.{key} = true needs zero_optimization.stage 3 (got "
+                    f"{self.stage}): qwZ quantizes stage 3's parameter all-gathers, and stages "
+                    "0-2 gather no parameters. Set stage 3, or remove the key."
+                )
+        if self.zero_quantized_gradients and self.stage < 2:
+            raise _cross(
+                "zero_optimization.zero_quantized_gradients = true needs zero_optimization.stage "
+                f"2 or 3 (got {self.stage}): qgZ replaces the reduce-scatter of gradients that "
+                "stages 2 and 3 run every micro-batch. Set stage 2 or 3, or remove the key."
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_hierarchical(self) -> "ZeroConfig":

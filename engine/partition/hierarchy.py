@@ -28,10 +28,10 @@ k consecutive ranks (ranks i*k .. i*k+k-1, a node when k = ranks per node): 1/k 
 taken from the forward all-gather's result. The backward all-gather of a unit then reads the
 secondary shards over the k-rank group only (stage3.py, ParamGatherer). Per step the forward
 all-gather and the reduce-scatter still move Psi each over all N ranks; the backward Psi stays
-within the node. The secondary copy costs 2 Psi/k bytes (compute dtype) per rank, kept from the
-first forward on (engine.model_state_bytes()["secondary_params"]). A secondary shard is valid from
-its unit's forward all-gather to the end of that micro-batch's backward; a gather outside that
-window uses the primary shards.
+within the node. The secondary copy costs Psi/k elements of the compute dtype per rank (2 Psi/k
+bytes in bf16), kept from the first forward on (engine.model_state_bytes()["secondary_params"]).
+A secondary shard is valid from its unit's forward all-gather to the end of that micro-batch's
+backward; a gather outside that window uses the primary shards.
 """
 
 import logging

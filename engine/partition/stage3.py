@@ -290,6 +290,9 @@ class ParamGatherer:
         self._secondary: dict[int, torch.Tensor] = {}
         self._secondary_valid: set[int] = set()
         self._filling_secondary: set[int] = set()
+        # qwZ: partition/zeropp.QuantizedWeights, or None ([Note: quantized weights (qwZ)])
+        self.quantized = None
+        self._exact_gathers = False  # inside hold(): gathers are never quantized
 
     @contextlib.contextmanager
     def _own_ops(self):
@@ -627,10 +630,20 @@ class ParamGatherer:
             shard = self.param_swap.acquire(bucket)  # released when the all-gather finished
         if shard.device != self.device:
             shard = shard.to(self.device, non_blocking=shard.is_pinned())
-        bucket.pending = self.comm.all_gather(buffer, shard, async_op=True)
+        if self._quantizes(bucket, unit):
+            bucket.pending = self.quantized.all_gather(self.comm, buffer, shard)
+        else:
+            bucket.pending = self.comm.all_gather(buffer, shard, async_op=True)
         self._count_frozen(bucket, buffer)
         bucket.param_buffer = buffer
         self._gathered_storage[buffer.untyped_storage().data_ptr()] = bucket
+
+    def _quantizes(self, bucket, unit: Unit) -> bool:
+        """qwZ: whether this gather of `bucket` is quantized ([Note: quantized weights (qwZ)]
+        in zeropp.py): not for the persistent unit nor inside hold()."""
+        if self.quantized is None or unit.persistent or self._exact_gathers:
+            return False
+        return self.quantized.applies(bucket)
 
     def _count_frozen(self, bucket, buffer) -> None:
         if bucket.master is None and self.comm.world_size > 1:  # frozen: not in Psi
@@ -846,9 +859,13 @@ class ParamGatherer:
     def hold(self, units) -> None:
         """Gather `units` (in index order) and keep them gathered until unhold(): for
         zero.GatheredParameters and module.state_dict(). Holds nest. Collective."""
-        for unit in sorted(units, key=lambda u: u.index):
-            self.fetch(unit)
-            unit.holds += 1
+        self._exact_gathers = True  # qwZ: what a script reads or saves is the real weight
+        try:
+            for unit in sorted(units, key=lambda u: u.index):
+                self.fetch(unit)
+                unit.holds += 1
+        finally:
+            self._exact_gathers = False
 
     def unhold(self, units) -> None:
         """End one hold() of each of `units`; a unit no longer held is released."""

@@ -363,6 +363,9 @@ class ZeroOptimizer:
         self.overflow = False  # DeepSpeed's name: the last step was skipped (accelerate reads it)
         self.gatherer = None  # stage 3: the ParamGatherer, set by attach_gatherer()
         self.reduce_comm: Communicator = self.shard_comm  # gradients' group (attach_gatherer)
+        # qgZ (stages 2-3): zeropp.QuantizedGradients over reduce_comm's nodes, set by the engine
+        # ([Note: quantized gradients (qgZ)] in zeropp.py)
+        self.quantized_reduce = None
         self._accepting_grads = False
         self._reduce_this_micro_batch = False
         self._next_launch = 0
@@ -568,7 +571,10 @@ class ZeroOptimizer:
                 bucket.grad_shard = output  # the step's first reduction: nothing to add to
             else:
                 bucket.recv = output
-            bucket.handle = self.reduce_comm.reduce_scatter(output, source, async_op=True)
+            if self.quantized_reduce is not None:
+                bucket.handle = self.quantized_reduce.reduce_scatter(output, source)
+            else:
+                bucket.handle = self.reduce_comm.reduce_scatter(output, source, async_op=True)
         self._in_flight.append(bucket)
         while self.settings.stage >= 2 and len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
             oldest = self._in_flight[0]

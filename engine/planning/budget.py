@@ -218,7 +218,9 @@ def _measured(model, config, comm, device, trains: bool, state_bytes: int):
     headroom, bound_by = headroom_bytes(device)
     least = torch.tensor([-float(headroom)], dtype=torch.float64, device=device)
     comm.all_reduce(least, op="max")  # the least headroom over the ranks
-    num_shards = comm.world_size if config.zero.stage else 1
+    # MiCS partitions over its shard groups (partition/hierarchy.py num_shards)
+    shard_size = config.zero.mics_shard_size
+    num_shards = (shard_size if shard_size > 0 else comm.world_size) if config.zero.stage else 1
     pending = pending_bytes(model, config, trains, state_bytes, num_shards, device)
     return int(-least.item()), bound_by, pending
 

@@ -137,6 +137,8 @@ class Estimate:
     device: str = "none"
     ratio: float = 1.0
     per_nvme: int = 0
+    # The part of comm_psi exchanged with other nodes (tier_comm_psi; ranks fill nodes in order).
+    inter_psi: float = 0.0
 
 
 def parse_size(text: str) -> int:
@@ -321,7 +323,7 @@ def estimate_stage(
     # twice the units that follow (about the last reuse_numel / 2 elements of the forward).
     sharded = layout.padded_numel - layout.persistent_numel
     kept = min(sharded, options.reuse_numel // 2) / layout.padded_numel if stage == 3 else 0.0
-    comm = comm_psi(stage, options.gradient_accumulation_steps, persistent, kept)
+    intra, inter = tier_comm_psi(stage, cluster, options, persistent, kept)
     buffers = sum(peak.buffers.values())
     acts = activations.peak if activations else 0
     return Estimate(
@@ -332,12 +334,13 @@ def estimate_stage(
         acts,
         peak.total,
         per_host,
-        comm,
+        intra + inter,
         fits,
         peak,
         device,
         ratio,
         nvme_per_rank * cluster.devices_per_node,
+        inter,
     )
 
 
@@ -480,14 +483,14 @@ def format_table(
         )
     lines.append(
         f"{'stage':<7}{'offload':<9}{'states GiB':>11}{'buffers GiB':>12}{'peak GiB':>10}"
-        f"{'host GiB':>10}{'comm/step':>12}  fits"
+        f"{'host GiB':>10}{'comm/step':>12}{'inter-node':>14}  fits"
     )
     for row in rows:
         lines.append(
             f"{row.stage:<7}{_offload_name(row):<9}"
             f"{row.model_states / gib:>11.3f}{row.buffers / gib:>12.3f}"
             f"{row.per_device / gib:>10.3f}{row.per_host / gib:>10.3f}"
-            f"{row.comm_psi:>8.2f} Psi  {'yes' if row.fits else 'no'}"
+            f"{row.comm_psi:>8.2f} Psi{row.inter_psi:>10.2f} Psi  {'yes' if row.fits else 'no'}"
             + (f"  (nvme {row.per_nvme / gib:.3f} GiB per node)" if row.per_nvme else "")
         )
     return "\n".join(lines)

@@ -56,6 +56,7 @@ def _ranks(root):
     # Stopped after step 4 (blocking saves), then resumed by auto_resume.
     _train(_config(stopped, save_interval_steps=2, async_save=False), 4)
     resumed, resumed_final, _ = _train(_config(stopped, auto_resume=True), STEPS)
+    failures = _failing_write(os.path.join(root, "c"), rank)
     try:
         _train({**_config(uninterrupted, auto_resume=True), "train_batch_size": 8}, STEPS)
         refused = None
@@ -68,7 +69,30 @@ def _ranks(root):
         "resumed_step": resumed.global_steps,
         "blocking": blocking,
         "refused": refused,
+        "failures": failures,
     }
+
+
+def _failing_write(save_dir, rank):
+    """Rank 1's write of checkpoint 2 fails (a full disk, say): training goes on, the next
+    checkpoint is published. Returns this rank's count of failed background saves."""
+    from zero.checkpoint import periodic
+
+    write, calls = periodic._write_shard, []
+
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return write(*args, **kwargs)
+
+    if rank == 1:
+        periodic._write_shard = failing
+    try:
+        engine, _, _ = _train(_config(save_dir, save_interval_steps=1), 3)
+    finally:
+        periodic._write_shard = write
+    return engine.periodic.failures
 
 
 def test_periodic_async_saves_and_auto_resume(tmp_path):
@@ -84,7 +108,11 @@ def test_periodic_async_saves_and_auto_resume(tmp_path):
         assert mine.keys() == theirs.keys()
         for key in mine:
             assert torch.equal(mine[key], theirs[key]), key
+    c = tmp_path / "c"
+    assert (c / "latest").read_text() == "global_step3"
+    assert sorted(os.listdir(c)) == ["global_step1", "global_step3", "latest"]
     for result in results:
+        assert result["failures"] == 1  # rank 1's write, and rank 0's publication of it
         assert len(result["blocking"]) == 3
         assert result["resumed_step"] == STEPS
         for p, q in zip(result["final"], result["resumed_final"], strict=True):

@@ -83,14 +83,14 @@ def _check_all_gather(world):
         shard = (torch.randn(numel, generator=gen) * 10 ** (rank - 1)).to(dtype)
         exact = torch.empty(WORLD * numel, dtype=dtype)
         world.all_gather(exact, shard)
-        before = _bytes(world, "all_gather")
+        before = _bytes(world, "all_gather_q")
         out = torch.empty(WORLD * numel)
         handle = quantized_all_gather(world, out, shard, codec, block_size, bits, async_op=True)
         shard.zero_()  # the shard may change once the call returns
         handle.wait()
         blocks = math.ceil(numel / block_size)
         values = numel if bits == 8 else math.ceil(numel / 2)
-        assert _bytes(world, "all_gather") - before == WORLD * (values + 4 * blocks)
+        assert _bytes(world, "all_gather_q") - before == WORLD * (values + 4 * blocks)
         amax = _block_amax(exact.view(WORLD, numel), block_size).reshape(-1)
         bound = amax / (2 * (2 ** (bits - 1) - 1)) + amax * 2.0**-21
         error = (out - exact.float()).abs()
@@ -123,7 +123,7 @@ def _check_reduce_scatter(world, intra, inter):
         grad = torch.randn(numel, generator=gen) * magnitude.repeat_interleave(block_size)
         expected = torch.empty(numel // WORLD)
         world.reduce_scatter(expected, grad.clone())
-        ledgers = {id(c): (c, _bytes(c, "all_to_all")) for c in (a, b)}
+        ledgers = {id(c): (c, _bytes(c, "all_to_all_q")) for c in (a, b)}
         out = torch.empty(numel // WORLD)
         quantized_reduce_scatter(a, b, out, grad, codec, block_size, bits)
         # [Note: qgZ's tolerance]: (2 + 1/(2q)) / (2q) * sum over ranks of each block's max.
@@ -139,9 +139,9 @@ def _check_reduce_scatter(world, intra, inter):
         assert error.max() > 0  # quantized: not the exact sum
         per_element = bits / 8 + 4 / block_size
         if local > 1:
-            assert _bytes(a, "all_to_all") - ledgers[id(a)][1] == numel * per_element
+            assert _bytes(a, "all_to_all_q") - ledgers[id(a)][1] == numel * per_element
         if nodes > 1:
-            assert _bytes(b, "all_to_all") - ledgers[id(b)][1] == numel // local * per_element
+            assert _bytes(b, "all_to_all_q") - ledgers[id(b)][1] == numel // local * per_element
     # An overflow on one rank reaches every element of its block, on the rank that owns it.
     grad = torch.ones(WORLD * 64)
     if rank == 3:
@@ -198,5 +198,8 @@ def test_one_rank_takes_the_same_path_without_counting():
     quantized_reduce_scatter(alone, alone, out[:64], grad, codec, 32)  # no level to exchange over
     assert torch.equal(out[:64], grad)
     assert alone.ledger.current == {}
+    # Chunks that are not whole blocks are padded to whole blocks (zeros), not refused.
+    quantized_reduce_scatter(alone, alone, out[:50], grad[:50], codec, 32)
+    assert torch.equal(out[:50], grad[:50])
     with pytest.raises(ValueError, match="multiple of world_size"):
-        quantized_reduce_scatter(alone, alone, out[:50], grad[:50], codec, 32)
+        quantized_reduce_scatter(alone, alone, out[:40], grad[:50], codec, 32)

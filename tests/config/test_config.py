@@ -956,29 +956,19 @@ def test_unsupported_block_warns_once():
     assert config.pipeline["stages"] == 2
 
 
-ZERO_PLUS_PLUS = {
-    "zero_quantized_weights": (True, "false"),
-    "zero_quantized_nontrainable_weights": (True, "false"),
-    "zero_quantized_gradients": (True, "false"),
-}
-
-
-@pytest.mark.parametrize("key", sorted(ZERO_PLUS_PLUS))
-def test_zero_plus_plus_key_set_is_an_error_naming_it(key):
-    value, default = ZERO_PLUS_PLUS[key]
-    message = error_of({"zero_optimization": {"stage": 3, key: value}})
-    assert f"zero_optimization.{key} = {json.dumps(value)}" in message
-    assert "ZeRO++'s quantized collectives" in message
-    assert f"set it to the default ({key}: {default})" in message
-
-
-def test_zero_plus_plus_keys_set_together_are_one_error():
-    message = error_of(
-        {"zero_optimization": {"zero_quantized_weights": True, "zero_quantized_gradients": True}}
-    )
-    assert "zero_optimization.zero_quantized_weights = true" in message
-    assert "zero_optimization.zero_quantized_gradients = true" in message
-    assert "Remove the keys or set them to the default" in message
+def test_zero_plus_plus_quantized_keys_need_the_stages_they_change():
+    # qwZ quantizes stage 3's parameter all-gathers; qgZ the gradient reduce-scatter of 2 and 3.
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        message = error_of({"zero_optimization": {"stage": 2, key: True}})
+        assert f"zero_optimization.{key} = true needs zero_optimization.stage 3" in message
+    message = error_of({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}})
+    assert "zero_quantized_gradients = true needs zero_optimization.stage 2 or 3" in message
+    keys = ("zero_quantized_weights", "zero_quantized_nontrainable_weights")
+    block = dict.fromkeys(keys + ("zero_quantized_gradients",), True)
+    config = load({"zero_optimization": {"stage": 3, **block}})
+    assert config.zero.zero_quantized_weights and config.zero.zero_quantized_gradients
+    config = load({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
+    assert config.zero.zero_quantized_gradients
 
 
 def test_zero_plus_plus_keys_at_defaults_load_quietly():

@@ -287,7 +287,6 @@ def test_offload_devices_compare_to_deepspeeds_enum():
 @pytest.mark.parametrize(
     "extra, key",
     [
-        ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_quantized_gradients"),
         ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
         ({"weight_quantization": {"enabled": True}}, "weight_quantization"),
     ],

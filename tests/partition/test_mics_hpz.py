@@ -5,6 +5,7 @@ the formulas of partition/hierarchy.py, and a MiCS checkpoint loaded by a flat e
 One group of 4 ranks runs every case (_sweep); the tests read its results.
 """
 
+import json
 import os
 
 import pytest
@@ -59,11 +60,11 @@ def _snapshot(engine) -> dict:
 
 
 def _train(engine, data) -> dict:
-    """Train on `data`; per phase ("forward", "backward", "step") the collectives' elements and
-    inter-node elements of the last step."""
+    """Train on `data`; per phase ("forward", "backward") of the last optimizer step, op ->
+    [elements, inter-node elements] of its collectives."""
     phases = {}
     for step in data:
-        phases = {"forward": {}, "backward": {}, "step": {}}
+        phases = {"forward": {}, "backward": {}}
         for micro in step:
             x, y, use_extra = micro[engine.rank]
             before = _snapshot(engine)
@@ -84,6 +85,7 @@ def _sweep(root):
 
     os.environ["ZERO_RANKS_PER_NODE"] = str(PER_NODE)
     data = batches(WORLD, GAS, steps=2, same_modules=True)
+    nxt = batches(WORLD, GAS, steps=1, seed=5, same_modules=True)
     out = {"cases": {}}
     cases = [(s, "flat", {}) for s in (1, 2, 3)]
     cases += [(s, "mics", {"mics_shard_size": PER_NODE}) for s in (1, 2, 3)]
@@ -105,21 +107,30 @@ def _sweep(root):
         if kind == "mics" and stage == 2:
             engine.save_checkpoint(root, tag="mics")
             out["saved"] = full_params(engine)
+            _train(engine, nxt)
+            out["continued"] = full_params(engine)
         engine.close()
-    # The MiCS checkpoint, loaded by a flat stage-3 engine (4 shards instead of 2) and by a
-    # MiCS stage-2 engine: the same parameters, and the same next step as the saving run.
-    nxt = batches(WORLD, GAS, steps=1, seed=5, same_modules=True)
-    for stage, zero_keys in ((3, {}), (2, {"mics_shard_size": PER_NODE})):
-        engine = _engine(_config(stage, **zero_keys))
-        engine.load_checkpoint(root, tag="mics")
-        loaded = full_params(engine)
-        _train(engine, nxt)
-        out[("loaded", stage)] = (loaded, full_params(engine))
-        engine.close()
-    import json
-
+    # The MiCS checkpoint, loaded by a flat stage-3 engine (4 shards instead of 2): it holds the
+    # saved parameters (and optimizer state: the next step equals the saving run's).
+    engine = _engine(_config(3))
+    engine.load_checkpoint(root, tag="mics")
+    out["loaded"] = full_params(engine)
+    _train(engine, nxt)
+    out["loaded_next"] = full_params(engine)
+    engine.close()
     with open(os.path.join(root, "mics", "meta.json")) as f:
         out["meta_ranks"] = json.load(f)["ranks"]
+    # The node groups of the data-parallel Communicator, and what an all-reduce over each counts
+    comm = zero.comm.data_parallel_comm()
+    intra, inter = comm.node_groups()
+    for group in (intra, inter):
+        group.all_reduce(torch.ones(10))
+    comm.ledger.end_step()
+    out["node_groups"] = (intra.global_ranks(), inter.global_ranks(), comm.ledger.tiers())
+    # As zrun and torchrun start ranks: each knows its node's index (GROUP_RANK) only
+    del os.environ["ZERO_RANKS_PER_NODE"]
+    os.environ["GROUP_RANK"] = str(comm.rank // PER_NODE)
+    out["from_group_rank"] = zero.comm.read_topology(list(range(WORLD)), comm.rank).nodes
     return out
 
 
@@ -211,13 +222,30 @@ def test_estimator_counts_the_hpz_secondary_copy():
     assert (intra, inter) == (2.0, 1.0)
 
 
-def test_mics_checkpoint_loads_into_flat_and_mics_engines(results):
+def test_nodes_from_group_rank_are_exchanged(results):
+    for result in results:
+        assert result["from_group_rank"] == {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_node_groups_follow_the_topology(results):
+    for rank, result in enumerate(results):
+        intra, inter, tiers = result["node_groups"]
+        node = rank // PER_NODE
+        assert intra == [node * PER_NODE, node * PER_NODE + 1]
+        assert inter == [rank % PER_NODE, rank % PER_NODE + PER_NODE]
+        # two all-reduces of 10 elements (20 each in paper units); the inter-node one: half
+        assert tiers == {
+            "intra_bytes": 4 * 30,
+            "inter_bytes": 4 * 10,
+            "intra_elements": 30,
+            "inter_elements": 10,
+        }
+
+
+def test_mics_checkpoint_loads_into_a_flat_engine(results):
     meta = results[0]["meta_ranks"]
     # only the first shard group writes shards; the replicas write no duplicates
     assert meta["0"] and meta["1"] and not meta["2"] and not meta["3"]
     for rank in results:
-        flat_loaded, flat_next = rank[("loaded", 3)]
-        mics_loaded, mics_next = rank[("loaded", 2)]
-        assert _max_diff(flat_loaded, rank["saved"]) == 0.0
-        assert _max_diff(mics_loaded, rank["saved"]) == 0.0
-        assert _max_diff(flat_next, mics_next) < 1e-6
+        assert _max_diff(rank["loaded"], rank["saved"]) == 0.0
+        assert _max_diff(rank["loaded_next"], rank["continued"]) < 1e-6
