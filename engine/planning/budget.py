@@ -14,8 +14,11 @@ memory on CUDA; on the host the least of available memory, RLIMIT_DATA less the 
 in use, and the cgroup's memory.max less its usage), takes the smallest over the ranks (so every
 rank makes the same choice: the units decide the collectives), and adds back what the engine will
 free (whole parameters it partitions) less the model states it will allocate (the paper's
-formula for the stage, planning/memory.py). Half of what is left is the budget for gathered
-parameters; the other half is left for activations, gradient buckets and temporaries.
+formula for the stage, planning/memory.py). A quarter of what is left (GATHERED_FRACTION) is
+the budget for gathered parameters; the rest is left for activations, the gradients of the units
+in backward, reduce-scatter buffers, the optimizer's temporaries and the allocator. (With half,
+benchmarks/largest_model.py trained 41-43 layers from run to run, 43 fails in step 2's
+all-gather; with a quarter 44, level with FSDP2.)
 
 - When the whole model in the compute dtype fits the budget, DeepSpeed's defaults stay: memory
   is plentiful and gathering more at once is faster (fewer, larger collectives).
@@ -41,7 +44,7 @@ from ..partition.init import full_numel, is_partitioned
 from .memory import ModelStateSpec, model_state_formula
 
 # The fraction of the budget left over (after model states) that gathered parameters may use.
-GATHERED_FRACTION = 0.5
+GATHERED_FRACTION = 0.25
 
 
 def _size(nbytes: float) -> str:
@@ -56,7 +59,7 @@ def _figures(headroom: int, bound_by: str, pending: int, budget: int, use: str) 
         return f"stage3_fetch_budget gives {_size(budget)} for {use}"
     return (
         f"headroom {_size(headroom)} ({bound_by}) less {_size(pending)} of model states still "
-        f"to allocate, half for {use}: {_size(budget)}"
+        f"to allocate, {GATHERED_FRACTION:.0%} for {use}: {_size(budget)}"
     )
 
 
@@ -211,10 +214,11 @@ _KEYS = (
 def _measured(model, config, comm, device, trains: bool, state_bytes: int):
     """(headroom, what bounds it, pending bytes): the least headroom over the ranks (one
     all-reduce; collective) and the model states this rank will still allocate, or
-    stage3_fetch_budget's given budget (twice it, nothing pending) without measuring."""
+    stage3_fetch_budget's given budget (as the headroom that leaves it, nothing pending)
+    without measuring."""
     budget = config.zero.stage3_fetch_budget
     if config.zero.stage == 3 and budget != "auto":
-        return 2 * budget, "stage3_fetch_budget", 0
+        return int(budget / GATHERED_FRACTION), "stage3_fetch_budget", 0
     headroom, bound_by = headroom_bytes(device)
     least = torch.tensor([-float(headroom)], dtype=torch.float64, device=device)
     comm.all_reduce(least, op="max")  # the least headroom over the ranks
@@ -276,7 +280,7 @@ def fetch_settings(model, config, comm, device, trains: bool, state_bytes: int) 
 # few buckets in flight: for a model below half a billion elements one bucket is the whole
 # gradient, which stage 2 exists not to hold. When the config leaves reduce_bucket_size (and
 # allgather_bucket_size) unset, bucket_settings keeps DeepSpeed's values if STAGING_BUCKETS
-# copies of the whole gradient fit half the budget (measured as for stage 3), else makes the
+# copies of the whole gradient fit the budget (measured as for stage 3), else makes the
 # buckets as large as STAGING_BUCKETS of them fit, at least MIN_BUCKET_NUMEL elements.
 STAGING_BUCKETS = 4
 MIN_BUCKET_NUMEL = 1 << 16

@@ -7,7 +7,13 @@ import resource
 
 import torch
 
-from zero.planning.budget import FetchSettings, _private_bytes, choose, headroom_bytes
+from zero.planning.budget import (
+    GATHERED_FRACTION,
+    FetchSettings,
+    _private_bytes,
+    choose,
+    headroom_bytes,
+)
 
 DEEPSPEED = FetchSettings(500_000_000, 50_000_000, 1_000_000_000, 1_000_000_000, "")
 MIB = 2**20
@@ -26,21 +32,23 @@ def _choose(headroom, pending=0, numel=49_000_000, leaf=4_000_000, compute_bytes
 
 
 def test_room_for_the_whole_model_keeps_deepspeeds_values():
-    chosen = _choose(headroom=2 * 49_000_000 * 4)
+    chosen = _choose(headroom=int(49_000_000 * 4 / GATHERED_FRACTION))
     assert (chosen.unit_numel, chosen.max_live_numel) == (500_000_000, 1_000_000_000)
     assert "DeepSpeed's defaults" in chosen.reason
 
 
 def test_a_budget_below_the_model_sets_every_limit_from_it():
-    chosen = _choose(headroom=200 * MIB, pending=40 * MIB)  # budget (200 - 40) / 2 = 80 MiB
-    live = 80 * MIB // 4
+    chosen = _choose(headroom=200 * MIB, pending=40 * MIB)
+    budget = int(160 * MIB * GATHERED_FRACTION)  # what the model states leave, the fraction of it
+    live = budget // 4
     assert (chosen.unit_numel, chosen.prefetch_numel, chosen.max_live_numel) == (
         live // 4,
         live // 2,
         live,
     )
     assert chosen.max_reuse_numel == 0
-    assert "less 40 MiB of model states" in chosen.reason and "80 MiB" in chosen.reason
+    assert "less 40 MiB of model states" in chosen.reason
+    assert f"{budget // MIB} MiB" in chosen.reason
 
 
 def test_live_limit_holds_two_of_the_largest_indivisible_module():
@@ -63,11 +71,14 @@ def test_buckets_keep_deepspeeds_sizes_while_four_whole_gradients_fit():
 
     defaults = BucketSettings(500_000_000, 500_000_000, "")
     kwargs = dict(bound_by="RLIMIT_DATA", model_numel=10_000_000, grad_bytes=4, defaults=defaults)
-    roomy = choose_buckets(headroom=2 * 4 * 40_000_000, pending_bytes=0, **kwargs)
+    roomy = choose_buckets(
+        headroom=int(4 * 40_000_000 / GATHERED_FRACTION), pending_bytes=0, **kwargs
+    )
     assert (roomy.reduce_numel, roomy.allgather_numel) == (500_000_000, 500_000_000)
     tight = choose_buckets(headroom=100 * MIB, pending_bytes=20 * MIB, **kwargs)
-    assert tight.reduce_numel == tight.allgather_numel == 40 * MIB // (4 * 4)
-    assert "buckets of 2,621,440 elements" in tight.reason
+    numel = int(80 * MIB * GATHERED_FRACTION) // (4 * 4)
+    assert tight.reduce_numel == tight.allgather_numel == numel
+    assert f"buckets of {numel:,} elements" in tight.reason
 
 
 def test_stage_2_engine_sizes_its_buckets_from_rlimit_data():
