@@ -13,8 +13,11 @@ beside zero-estimate's formula (planning/estimator.py tier_comm_psi; the docs/st
 derivation), model-state bytes per rank (engine.model_state_bytes(), hpZ's secondary copy
 included) and the median step time. Every parameter is partitioned
 (stage3_param_persistence_threshold 0) and no unit stays gathered from forward to backward
-(stage3_max_reuse_distance 0), so stage 3 moves the paper's 3 Psi. The qwZ / qgZ columns (ZeRO++'s
-quantized all-gather and reduce-scatter) say "not built" until zero has them. On one machine the
+(stage3_max_reuse_distance 0), so stage 3 moves the paper's 3 Psi. The qwZ / qgZ columns say
+whether the row quantizes its all-gathers (zero_quantized_weights, int8) and gradient
+reductions (zero_quantized_gradients, int4 all-to-alls in the node, then across nodes); their
+ops count the values they stand for as elements and the bytes really sent, so their Psi
+columns count values, and qgZ rows (two all-to-alls) have no formula. On one machine the
 "nodes" share memory bandwidth: the step times do not show what slower links between real nodes
 would cost; the byte columns do. A measurement script, not a test: nothing here asserts on time.
 """
@@ -68,6 +71,18 @@ def rows(args) -> list[tuple[str, int, dict]]:
         (f"MiCS s={g}", 3, {"mics_shard_size": g}),
         (f"MiCS s={g}", 2, {"mics_shard_size": g}),
         ("ZeRO-2", 2, {}),
+        ("qwZ", 3, {"zero_quantized_weights": True}),
+        ("qgZ", 3, {"zero_quantized_gradients": True}),
+        ("qwZ + qgZ", 3, {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
+        (
+            f"ZeRO++ (qwZ + qgZ + hpZ k={g})",
+            3,
+            {
+                "zero_quantized_weights": True,
+                "zero_quantized_gradients": True,
+                "zero_hpz_partition_size": g,
+            },
+        ),
     ]
 
 
@@ -130,10 +145,14 @@ def print_report(args, results) -> None:
         inter = sum(t["inter_bytes"] for t in stats.values())
         intra_psi = sum(t["intra_elements"] for t in stats.values()) / result["padded"]
         inter_psi = sum(t["inter_elements"] for t in stats.values()) / result["padded"]
-        want_intra, want_inter = formula(args, stage, keys)
+        want = "-"
+        if not keys.get("zero_quantized_gradients"):
+            want = "{:.4g} / {:.4g}".format(*formula(args, stage, keys))
+        qwz = "on" if keys.get("zero_quantized_weights") else "off"
+        qgz = "on" if keys.get("zero_quantized_gradients") else "off"
         print(
             f"| {name} | {stage} | {intra:,} | {inter:,} | {intra_psi:.4f} | {inter_psi:.4f} "
-            f"| {want_intra:.4g} / {want_inter:.4g} | not built | not built "
+            f"| {want} | {qwz} | {qgz} "
             f"| {sum(result['state'].values()):,} | {result['step_ms']:.1f} |"
         )
     print()

@@ -276,10 +276,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         world = args.world_size if mode in ("from_pretrained", "load_pretrained") else 1
-        # transformers maps every file of the checkpoint at once (copy-on-write: VmData), so
-        # RLIMIT_DATA below the checkpoint's size stops from_pretrained before zero runs.
-        limit = None if mode == "from_pretrained" else cap
-        for row in run(mode, directory, world, limit, args):
+        for row in run(mode, directory, world, cap, args):
             load = " | ".join(f"{row['load'].get(k, 0) / MIB:.0f}" for k in FIELDS)
             trained = " | ".join(f"{row['train'][k] / MIB:.0f}" for k in FIELDS if row["train"])
             losses = ", ".join(f"{loss:.3f}" for loss in row["losses"])

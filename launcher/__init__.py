@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             nnodes=args.nnodes,
             max_restarts=args.max_restarts,
             rdzv_conf=args.rdzv_conf,
-            zrun_store=not args.no_ssh,
+            # Elastic only: zrun then hosts the rendezvous store ([Note: elastic rendezvous]).
+            zrun_store=not args.no_ssh and (args.nnodes is not None or args.max_restarts > 0),
         )
         if job.elastic:
             layout = elastic_layout(args, layout)

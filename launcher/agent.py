@@ -337,10 +337,19 @@ def _elastic_launch_config(args: argparse.Namespace, work_dir: str) -> LaunchCon
         rdzv_configs=options,
         max_restarts=args.max_restarts,
         monitor_interval=0.1,
-        local_addr=args.local_addr or args.node_name,
+        local_addr=args.local_addr or _reachable_name(args.node_name),
         shutdown_timeout=args.shutdown_timeout,
         logs_specs=DefaultLogsSpecs(log_dir=work_dir),
     )
+
+
+def _reachable_name(node_name: str) -> str | None:
+    """The node's name as other nodes may reach it (the MASTER_ADDR of a round it leads); None
+    for a loopback name, so that torch uses this machine's FQDN."""
+    lowered = node_name.lower()
+    if lowered in ("localhost", "::1") or lowered.startswith("127."):
+        return None
+    return node_name
 
 
 def report_success(args: argparse.Namespace) -> None:
@@ -423,7 +432,7 @@ def run_ranks(args: argparse.Namespace, work_dir: str) -> int:
         return failure.process_exit_code
     except SignalException as error:
         return 128 + int(error.sigval)
-    if args.zrun_store:
+    if args.zrun_store and is_elastic(args):
         report_success(args)
     return 0
 

@@ -87,10 +87,10 @@ def job_flags(job: JobSpec) -> list[str]:
 
 
 def local_address_flags(layout: WorldLayout, node: NodeSpec, job: JobSpec) -> list[str]:
-    """Elastic: --local_addr for a node on zrun's machine, the address zrun's store is reached
-    at (a name such as 'localhost' would not reach it from another node); other nodes use
-    their host name."""
-    if job.elastic and is_local_host(node.host):
+    """Elastic, started by zrun: --local_addr for a node on zrun's machine, the address zrun's
+    store is reached at (a name such as 'localhost' would not reach it from another node);
+    other nodes use their host name. A node started by hand (--no_ssh) names itself (agent.py)."""
+    if job.elastic and job.zrun_store and is_local_host(node.host):
         return ["--local_addr", layout.master_addr]
     return []
 

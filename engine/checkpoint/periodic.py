@@ -69,6 +69,14 @@ def _failed_marker(rank: int) -> str:
     return f"rank{rank}.failed.json"
 
 
+def _write_note(directory: str, name: str, value) -> None:
+    """A small JSON file that appears whole (written under a `.tmp...` name, then renamed), so
+    rank 0, which polls for it, never reads half of it."""
+    staging = os.path.join(directory, ".tmp" + name.replace(".", "_"))
+    _create_json(staging, value)
+    os.replace(staging, os.path.join(directory, name))
+
+
 @dataclass
 class _Snapshot:
     """What one rank writes for one checkpoint: host tensors, the meta.json draft (rank 0)."""
@@ -123,7 +131,7 @@ class AsyncSave:
                 self._publish(tmp, written)
             else:
                 size, crc = written[rank_file(snap.rank)]
-                _create_json(os.path.join(tmp, _written_marker(snap.rank)), [size, crc])
+                _write_note(tmp, _written_marker(snap.rank), [size, crc])
         except BaseException as error:  # reported by wait() on the training thread
             self.error = error
             logger.error(
@@ -148,7 +156,7 @@ class AsyncSave:
     def _leave_failure_marker(self, tmp: str, error: BaseException) -> None:
         # Without it rank 0 gives up after wait_timeout_s.
         with contextlib.suppress(OSError):
-            _create_json(os.path.join(tmp, _failed_marker(self.snapshot.rank)), str(error))
+            _write_note(tmp, _failed_marker(self.snapshot.rank), str(error))
 
     def _publish(self, tmp: str, written: dict) -> None:
         snap = self.snapshot

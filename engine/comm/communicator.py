@@ -228,19 +228,20 @@ class Communicator:
     def _record(
         self, op: str, elements: int, tensor: torch.Tensor, quantized: int | None = None
     ) -> None:
-        if self.world_size > 1 and quantized is not None:
-            # ZeRO++: `quantized` values (paper units) travel as `tensor`'s bytes, recorded
-            # under op + "_q" so the plain ops' totals stay in elements of the compute dtype.
-            op, nbytes = op + "_q", tensor.numel() * tensor.element_size()
-            inter = self.inter_node_elements(quantized)
-            self.ledger.record(op, quantized, 0, inter, nbytes, self.inter_node_elements(nbytes))
-        elif self.world_size > 1:
+        if self.world_size == 1:
+            return
+        if quantized is None:
             inter = self.inter_node_elements(elements)
             self.ledger.record(op, elements, tensor.element_size(), inter)
-            if self.verbose:
-                logger.info(
-                    "rank %d: %s of %d elements (%s)", self.rank, op, elements, tensor.dtype
-                )
+        else:
+            # ZeRO++: `quantized` values (paper units) travel as `tensor`'s bytes, recorded
+            # under `op` ("all_gather_q", "all_to_all_q") so the plain ops' totals stay in
+            # elements of the compute dtype.
+            elements, nbytes = quantized, tensor.numel() * tensor.element_size()
+            inter = self.inter_node_elements(elements)
+            self.ledger.record(op, elements, 0, inter, nbytes, self.inter_node_elements(nbytes))
+        if self.verbose:
+            logger.info("rank %d: %s of %d elements (%s)", self.rank, op, elements, tensor.dtype)
 
     def _run(self, op: str, tensor: torch.Tensor, launch, async_op: bool) -> Handle:
         """Launch a collective (launch() returns torch's work or None) and time it if asked."""
@@ -329,7 +330,8 @@ class Communicator:
         bytes.
         """
         assert output.numel() == input.numel() * self.world_size, (output.shape, input.shape)
-        self._record("all_gather", output.numel(), output, quantized)
+        op = "all_gather" if quantized is None else "all_gather_q"
+        self._record(op, output.numel(), output, quantized)
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
@@ -342,7 +344,7 @@ class Communicator:
             launch = lambda: _all_gather_single(  # noqa: E731
                 output, input, group=self.group, async_op=async_op
             )
-        return self._run("all_gather", output, launch, async_op)
+        return self._run(op, output, launch, async_op)
 
     # [Note: gloo exchanges]
     # gloo's reduce-scatter and all-gather stage through extra copies and run 3-4x slower than
@@ -432,7 +434,8 @@ class Communicator:
             output.shape,
             input.shape,
         )
-        self._record("all_to_all", input.numel(), input, quantized)
+        op = "all_to_all" if quantized is None else "all_to_all_q"
+        self._record(op, input.numel(), input, quantized)
         if self.world_size == 1:
             output.copy_(input)
             return Handle()
@@ -447,7 +450,7 @@ class Communicator:
             launch = lambda: dist.all_to_all_single(  # noqa: E731
                 output, input, group=self.group, async_op=async_op
             )
-        return self._run("all_to_all", input, launch, async_op)
+        return self._run(op, input, launch, async_op)
 
 
 def data_parallel_comm(mpu=None, group=None) -> Communicator:

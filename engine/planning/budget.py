@@ -29,7 +29,7 @@ all-gather; with a quarter 44, level with FSDP2.)
   benchmarks/largest_model.py reach 0.85 of the paper's bound, derived from the budget.
 
 A key the config sets explicitly always wins over the policy, and the choice is logged with its
-figures. stage3_fetch_policy "defaults" turns the policy off (DeepSpeed's values as they are).
+figures. stage3_fetch_budget set to a number of bytes replaces the measured budget.
 """
 
 import os
