@@ -35,7 +35,10 @@ from .planning.estimator import comm_psi
 logger = logging.getLogger("zero")
 
 PHASES = {"forward": "forward", "backward": "backward", "step": "optimizer"}  # timer -> phase
-WAITS = {"reduce": ("reduce_scatter", "all_reduce"), "all_gather": ("all_gather",)}
+WAITS = {
+    "reduce": ("reduce_scatter", "all_reduce", "all_to_all_q"),  # all_to_all_q: ZeRO++ qgZ
+    "all_gather": ("all_gather", "all_gather_q"),  # all_gather_q: ZeRO++ qwZ
+}
 TIMERS = ("forward", "backward", "reduce", "all_gather", "optimizer")
 
 

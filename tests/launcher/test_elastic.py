@@ -230,3 +230,25 @@ def test_elastic_agent_commands(monkeypatch):
     static = JobSpec("train.py", (), "r1")
     (srun,) = remote.remote_launches(layout, static, remote.RemoteOptions("slurm"))
     assert "--kill-on-bad-exit=1" in srun.command and "--no-kill" not in srun.command
+
+
+def test_only_elastic_jobs_host_a_store(monkeypatch):
+    # zrun hosts the store and the agents report to it only when the job is elastic: a static
+    # job's agents must not look for a store at its end.
+    import zero.launcher as launcher
+
+    runs = []
+
+    class Recorder:
+        def __init__(self, launches, shutdown_timeout, report_failures, elastic=None):
+            runs.append((launches[0].command, elastic))
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr(launcher, "JobRunner", Recorder)
+    for flags in ((), ("--max_restarts", "1")):
+        launcher.main(["--num_gpus", "1", "--master_port", "0", *flags, "x.py"])
+    (static, no_store), (elastic, store) = runs
+    assert "--zrun_store" not in static and no_store is None
+    assert "--zrun_store" in elastic and store is not None

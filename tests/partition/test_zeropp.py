@@ -71,8 +71,8 @@ def _engine(cfg, freeze_positions=False):
 
 
 def _batches(rank):
-    """Per step, per micro-batch: (x, y) of this rank, a learnable pattern (next token =
-    token + stride) with noise."""
+    """Per micro-batch: (x, y) of this rank, a learnable pattern (next token = token + stride,
+    a stride of 1-3 per sequence)."""
     g = torch.Generator().manual_seed(100 + rank)
     out = []
     for _ in range(STEPS * GAS):
@@ -129,6 +129,7 @@ def _case(stage, keys, steps=STEPS, freeze=True) -> dict:
         "losses": losses,
         "first_loss": first,
         "stats": stats,
+        "initial": initial,
         "update": {n: p - initial[n] for n, p in _full(engine).items()},
         "buckets": _buckets(engine),
     }
@@ -233,6 +234,13 @@ def test_quantized_run_trains_as_the_plain_one(results, name):
         assert _relative_update_distance(case, plain) <= UPDATE_TOLERANCE[name]
         largest = max((u - plain["update"][n]).abs().max() for n, u in case["update"].items())
         assert 0 < largest <= 2 * STEPS * LR  # quantized, and within Adam's step bound
+
+
+def test_gathered_parameters_stay_exact_under_qwz(results):
+    # zero.GatheredParameters (hold) gathers exactly: the same weights as without qwZ
+    for rank in results:
+        for name, value in rank["qwz"]["initial"].items():
+            assert torch.equal(value, rank["plain"]["initial"][name]), name
 
 
 def test_quantized_weights_ledger_bytes(results):
