@@ -215,6 +215,7 @@ class Engine(torch.nn.Module):
             )
             self.gatherer.param_swap = self.optimizer.param_swap
             self.gatherer.secondary = groups.secondary
+            self.gatherer.two_level = groups.two_level
             self.gatherer.attach(
                 self.optimizer.buckets + (self.frozen.buckets if self.frozen else [])
             )

@@ -9,6 +9,7 @@ Owns, one module each, lowest first (a module imports only modules listed above 
     agreement.py     cross-rank agreement checks (Intent, Agreement, RankMismatchError)
     communicator.py  Communicator, the only caller of torch.distributed collectives for the
                      engine, and Handle, the pair of an asynchronous collective
+    two_level.py     the two-level (inter-node, then intra-node) all-gather of MiCS
     deepspeed.py     DeepSpeed's names for scripts: `from zero import comm as dist` (get_rank,
                      all_reduce, ..., destroy_process_group, init_distributed), not counted
 May import: zero.config and everything below it, and of the launcher zero.launcher.nodelist.

@@ -207,11 +207,12 @@ class Communicator:
 
     def enable_timing(self, ops=(), verbose: bool = False) -> None:
         """Time collectives named in `ops` (all when empty) into the ledger's `seconds`, and
-        every collective's waiting into `ledger.waited`."""
+        every collective's waiting into `ledger.waited`; so do its siblings and subgroups, and
+        theirs (MiCS's two-level gather groups are subgroups of the shard group)."""
         self.timing = frozenset(ops)
         self.verbose = verbose
         for other in self._siblings:
-            other.timing, other.verbose = self.timing, verbose
+            other.enable_timing(ops, verbose)
 
     @property
     def backend(self) -> str:
@@ -321,17 +322,19 @@ class Communicator:
         input: torch.Tensor,
         async_op: bool = False,
         quantized: int | None = None,
+        counted: int | None = None,
     ) -> Handle:
         """Concatenate every rank's `input` (n elements) into `output` (world_size * n elements).
 
         `input` may be rank r's own slice of `output` (in-place gather, no extra buffer).
         `quantized`: the buffers hold quantized data standing for this many values (ZeRO++
         qwZ, zero.comm.quantized); the ledger records them under "all_gather_q" with output's
-        bytes.
+        bytes. `counted`: the elements the ledger records instead of output.numel() (the
+        second level of a two-level all-gather, [Note: two-level all-gather] in two_level.py).
         """
         assert output.numel() == input.numel() * self.world_size, (output.shape, input.shape)
         op = "all_gather" if quantized is None else "all_gather_q"
-        self._record(op, output.numel(), output, quantized)
+        self._record(op, output.numel() if counted is None else counted, output, quantized)
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)

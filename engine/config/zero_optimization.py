@@ -211,8 +211,10 @@ class ZeroConfig(_Block):
     )
     mics_hierarchical_params_gather: bool = Field(
         False,
-        description="MiCS: all-gather parameters across nodes first, then within the node; only "
-        "shard groups within one node are supported, where it changes nothing.",
+        description="MiCS: all-gather parameters of a shard group that spans nodes in two "
+        "levels, across nodes among the ranks with the same local index, then within each node "
+        "(the same result; 1/l of the inter-node traffic, l = the group's ranks per node). "
+        "Shard groups within one node gather flat.",
     )
     # DeepSpeed implementation switches: how its own kernels and collectives run, not what is
     # trained. Accepted and validated so DeepSpeed files load; zero has no such switch.

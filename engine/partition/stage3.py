@@ -292,6 +292,9 @@ class ParamGatherer:
         self._filling_secondary: set[int] = set()
         # qwZ: partition/zeropp.QuantizedWeights, or None ([Note: quantized weights (qwZ)])
         self.quantized = None
+        # MiCS's two-level all-gather over `comm` (comm.two_level.TwoLevelGather), or None
+        # ([Note: MiCS] in hierarchy.py)
+        self.two_level = None
         self._exact_gathers = False  # inside hold(): gathers are never quantized
 
     @contextlib.contextmanager
@@ -611,7 +614,9 @@ class ParamGatherer:
         """All-gather the bucket into a fresh buffer on the device; an offloaded (host) shard is
         copied there first (asynchronously when pinned). hpZ: in `backward`, from the secondary
         shards over the secondary group when they hold the current values; otherwise from the
-        primary shards, and the secondary shard is refilled from the result."""
+        primary shards, and the secondary shard is refilled from the result. MiCS with
+        mics_hierarchical_params_gather: in two levels (`two_level`, [Note: MiCS] in
+        hierarchy.py); qwZ's quantized gathers stay flat."""
         buffer = torch.empty(
             bucket.layout.padded_numel, dtype=self.compute_dtype, device=self.device
         )
@@ -632,6 +637,8 @@ class ParamGatherer:
             shard = shard.to(self.device, non_blocking=shard.is_pinned())
         if self._quantizes(bucket, unit):
             bucket.pending = self.quantized.all_gather(self.comm, buffer, shard)
+        elif self.two_level is not None:
+            bucket.pending = self.two_level.all_gather(buffer, shard, async_op=True)
         else:
             bucket.pending = self.comm.all_gather(buffer, shard, async_op=True)
         self._count_frozen(bucket, buffer)

@@ -811,9 +811,8 @@ class ZeroOptimizer:
                 handle, size = pending.popleft()
                 handle.wait()
                 in_flight -= size
-            pending.append(
-                (self.shard_comm.all_gather(bucket.param_buffer, bucket.param_shard, True), numel)
-            )
+            handle = self.groups.all_gather_params(bucket.param_buffer, bucket.param_shard, True)
+            pending.append((handle, numel))
             in_flight += numel
         for handle, _ in pending:
             handle.wait()

@@ -1,6 +1,8 @@
 """MiCS (stages 1-3) and hpZ (stage 3) on 4 gloo ranks as 2 simulated nodes of 2 ranks
 (ZERO_RANKS_PER_NODE=2): parity with the flat run, the ledger's intra/inter-node split against
-the formulas of partition/hierarchy.py, and a MiCS checkpoint loaded by a flat engine.
+the formulas of partition/hierarchy.py, and a MiCS checkpoint loaded by a flat engine. MiCS's
+two-level parameter all-gather (mics_hierarchical_params_gather, a shard group of all 4 ranks
+spanning both nodes; comm/two_level.py) at stages 2 and 3, and TwoLevelGather on its own.
 
 One group of 4 ranks runs every case (_sweep); the tests read its results.
 """
@@ -90,6 +92,8 @@ def _sweep(root):
     cases = [(s, "flat", {}) for s in (1, 2, 3)]
     cases += [(s, "mics", {"mics_shard_size": PER_NODE}) for s in (1, 2, 3)]
     cases += [(3, "hpz", {"zero_hpz_partition_size": PER_NODE})]
+    two_level = {"mics_shard_size": WORLD, "mics_hierarchical_params_gather": True}
+    cases += [(s, "two-level", two_level) for s in (2, 3)]
     for stage, kind, zero_keys in cases:
         engine = _engine(_config(stage, **zero_keys))
         phases = _train(engine, data)
@@ -103,6 +107,7 @@ def _sweep(root):
             "num_shards": engine.optimizer.layout.num_shards,
             "memory": engine.model_state_bytes(),
             "fp32": zero.utils.safe_get_full_fp32_param(engine.module.proj.weight),
+            "two_level": engine.partition_groups.two_level is not None,
         }
         if kind == "mics" and stage == 2:
             engine.save_checkpoint(root, tag="mics")
@@ -131,7 +136,62 @@ def _sweep(root):
     del os.environ["ZERO_RANKS_PER_NODE"]
     os.environ["GROUP_RANK"] = str(comm.rank // PER_NODE)
     out["from_group_rank"] = zero.comm.read_topology(list(range(WORLD)), comm.rank).nodes
+    out["two_level_gather"] = _two_level_gathers(comm)
+    out["interleaved"] = _interleaved_nodes_refused()
     return out
+
+
+def _interleaved_nodes_refused() -> str:
+    """partition_groups with the two-level gather over ranks whose nodes alternate (0, 1, 0, 1):
+    the NotImplementedError's text (every rank raises before creating any group)."""
+    from types import SimpleNamespace
+
+    import zero
+    from zero.partition.hierarchy import partition_groups
+
+    comm = zero.comm.data_parallel_comm()
+    comm.topology = zero.comm.Topology({r: r % 2 for r in range(WORLD)}, "a test")
+    keys = SimpleNamespace(
+        stage=3,
+        mics_shard_size=WORLD,
+        zero_hpz_partition_size=1,
+        mics_hierarchical_params_gather=True,
+    )
+    with pytest.raises(NotImplementedError) as error:
+        partition_groups(comm, keys)
+    return str(error.value)
+
+
+def _two_level_gathers(comm):
+    """Three asynchronous two-level all-gathers waited in reverse order, and the same gathers
+    flat: (bitwise equal, their ledgers' (elements, inter_elements))."""
+    from zero.comm.two_level import TwoLevelGather
+
+    gather = TwoLevelGather(*comm.node_groups())
+    assert gather.rank == comm.rank and gather.world_size == WORLD
+    flat_comm = comm.subgroup("flat", list(range(WORLD)))  # the same group: comm itself
+    comm.ledger.end_step()
+    shards = [
+        torch.randn(n, generator=torch.Generator().manual_seed(comm.rank)) for n in (1, 6, 50)
+    ]
+    outputs = [torch.full((WORLD * s.numel(),), float("nan")) for s in shards]
+    handles = [gather.all_gather(o, s, async_op=True) for o, s in zip(outputs, shards)]
+    for handle in reversed(handles):
+        handle.wait()
+    handles[0].wait()  # idempotent
+    comm.ledger.end_step()
+    two_level = comm.ledger.last_step["all_gather"]
+    expected = [torch.empty_like(o) for o in outputs]
+    for e, s in zip(expected, shards):
+        flat_comm.all_gather(e, s)
+    comm.ledger.end_step()
+    flat = comm.ledger.last_step["all_gather"]
+    same = all(torch.equal(o, e) for o, e in zip(outputs, expected))
+    return (
+        same,
+        (two_level.elements, two_level.inter_elements),
+        (flat.elements, flat.inter_elements),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +309,45 @@ def test_mics_checkpoint_loads_into_a_flat_engine(results):
     for rank in results:
         assert _max_diff(rank["loaded"], rank["saved"]) == 0.0
         assert _max_diff(rank["loaded_next"], rank["continued"]) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_level_gather_equals_flat(results, stage):
+    """mics_hierarchical_params_gather with a shard group of s = k * l = 2 x 2 ranks: parameters
+    equal the flat run's bitwise. Per all-gather of V elements the ledger counts V elements, as
+    the flat gather, of which V (k - 1) / s = V / 4 cross nodes per rank (the flat gather: V (k
+    - 1) / k = V / 2): the step's inter-node all-gather elements are 1/l of the flat run's."""
+    nodes = WORLD // PER_NODE
+    for rank in results:
+        case, flat = rank["cases"][(stage, "two-level")], rank["cases"][(stage, "flat")]
+        assert case["two_level"] and not flat["two_level"]
+        assert case["num_shards"] == WORLD
+        assert _max_diff(case["params"], flat["params"]) == 0.0
+        gathered, flat_gathered = case["stats"]["all_gather"], flat["stats"]["all_gather"]
+        assert gathered["elements"] == flat_gathered["elements"]
+        assert gathered["inter_elements"] == gathered["elements"] * (nodes - 1) // WORLD
+        assert flat_gathered["inter_elements"] == flat_gathered["elements"] * (nodes - 1) // nodes
+        assert gathered["inter_bytes"] == 4 * gathered["inter_elements"]  # fp32 parameters
+        # the other collectives are the flat run's
+        for op in case["stats"]:
+            if op != "all_gather":
+                assert case["stats"][op] == flat["stats"][op], op
+        if stage == 3:
+            for phase in ("forward", "backward"):
+                n, inter = case["phases"][phase]["all_gather"]
+                assert n == flat["phases"][phase]["all_gather"][0] and inter * WORLD == n
+
+
+def test_two_level_gather_alone(results):
+    for rank in results:
+        same, (elements, inter), (flat_elements, flat_inter) = rank["two_level_gather"]
+        assert same
+        assert elements == flat_elements == WORLD * (1 + 6 + 50)
+        assert inter == elements // WORLD and flat_inter == flat_elements // 2
+
+
+def test_two_level_gather_refuses_interleaved_nodes(results):
+    for rank, result in enumerate(results):
+        text = result["interleaved"]
+        assert text.startswith(f"rank {rank}:") and "mics_hierarchical_params_gather" in text
+        assert "[0, 1, 0, 1]" in text and "node by node" in text
