@@ -228,15 +228,18 @@ class JobRunner:
         name = self.launches[index].name
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"code {code}"
         if running:
-            print(
-                f"zrun: {name} left the job ({how}); the other nodes go on "
-                f"(elastic: --nnodes {self.elastic.node_range}, --max_restarts "
-                f"{self.elastic.max_restarts})",
-                file=sys.stderr,
-                flush=True,
+            message = (
+                f"{name} left the job ({how}); the other nodes go on (elastic: --nnodes "
+                f"{self.elastic.node_range}, --max_restarts {self.elastic.max_restarts})"
             )
+        elif self.elastic.succeeded():
+            # pdsh and srun exit with one code for all their nodes: a node lost on the way
+            # makes it non-zero although the survivors finished (the agent reports success
+            # before it exits, so the store already tells).
+            message = f"{name} ended ({how}): a node was lost on the way; the job succeeded"
         else:
-            print(f"zrun: {name} failed ({how})", file=sys.stderr, flush=True)
+            message = f"{name} failed ({how})"
+        print(f"zrun: {message}", file=sys.stderr, flush=True)
 
     def _stop_all(self) -> None:
         """Ask every process still running to stop; kill one and its whole tree if it hangs."""

@@ -1,7 +1,8 @@
 """Elastic jobs (zrun --nnodes MIN:MAX --max_restarts N): a node lost mid-run over ssh, the job
 finishing on the survivor from the last checkpoint (equal to a run resumed by hand on the
-smaller world), a node joining a running job, and a failing script retried a bounded number
-of times."""
+smaller world), a node joining a running job, a failing script retried a bounded number
+of times, and a restart inside a SLURM allocation (srun, on the one-node cluster of
+conftest.py)."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import sys
 import time
 
 import pytest
-from zrun_helpers import assert_nothing_left, write, write_script, zrun_command
+from zrun_helpers import assert_nothing_left, run_job, write, write_script, zrun_command
 
 from zero.launcher.world import find_free_port
 
@@ -186,6 +187,32 @@ def test_failing_script_is_retried_max_restarts_times(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
+# Rank 1 fails in the first attempt while rank 0 waits; the restart succeeds on both.
+FAILS_ONCE = """
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+with open(os.path.join(OUT, "attempts"), "a") as f:
+    f.write(f"{restart}:{os.environ['RANK']}/{os.environ['WORLD_SIZE']}\\n")
+if restart == "0":
+    if os.environ["RANK"] == "1":
+        sys.exit(3)
+    time.sleep(60)
+"""
+
+
+def test_elastic_job_in_salloc_restarts_after_a_failure(slurm_cluster, tmp_path):
+    # srun accepts the elastic flags (--kill-on-bad-exit=0 --no-kill), the agent finds its
+    # node by SLURMD_NODENAME, joins zrun's store and the ranks start again after a failure.
+    command = ["salloc", "--nodes", "1", "--ntasks", "2", *zrun_command(), "--launcher", "slurm"]
+    command += ["--num_gpus", "2", "--master_port", str(find_free_port()), "--max_restarts", "1"]
+    command += ["--rdzv_conf", FAST_RDZV, "--no_local_rank"]
+    result = run_job(tmp_path, [*command, write_script(tmp_path, FAILS_ONCE)], slurm_cluster.env)
+    assert result.returncode == 0, result.stderr
+    assert "zrun: elastic job: c10d rendezvous at 127.0.0.1:" in result.stderr
+    attempts = sorted((tmp_path / "attempts").read_text().split())
+    assert attempts == ["0:0/2", "0:1/2", "1:0/2", "1:1/2"], result.stderr
+    assert_nothing_left(str(tmp_path))
+
+
 def test_elastic_flags_refused_where_the_runner_cannot_lose_a_node(tmp_path):
     hostfile = write(tmp_path, "hosts", "localhost slots=1\n")
     cases = {
@@ -230,6 +257,25 @@ def test_elastic_agent_commands(monkeypatch):
     static = JobSpec("train.py", (), "r1")
     (srun,) = remote.remote_launches(layout, static, remote.RemoteOptions("slurm"))
     assert "--kill-on-bad-exit=1" in srun.command and "--no-kill" not in srun.command
+
+
+def test_one_code_for_all_nodes_is_judged_by_the_store(capsys):
+    # pdsh and srun exit non-zero when one of their nodes was lost, even if the survivors
+    # finished: zrun's verdict comes from the success an agent records in its store.
+    from zero.launcher.runner import JobRunner, Launch
+
+    class Store:
+        node_range, max_restarts = "1:2", 1
+
+        def __init__(self, succeeded):
+            self.succeeded = lambda: succeeded
+
+    pdsh = [Launch("pdsh", [sys.executable, "-c", "raise SystemExit(255)"])]
+    assert JobRunner(pdsh, 5, True, elastic=Store(succeeded=True)).run() == 0
+    message = "zrun: pdsh ended (code 255): a node was lost on the way; the job succeeded"
+    assert message in capsys.readouterr().err
+    assert JobRunner(pdsh, 5, True, elastic=Store(succeeded=False)).run() == 255
+    assert "zrun: pdsh failed (code 255)" in capsys.readouterr().err
 
 
 def test_only_elastic_jobs_host_a_store(monkeypatch):
