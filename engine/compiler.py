@@ -94,7 +94,9 @@ def compile_model(
         "engine.compile: backend %s%s, compiled %s",
         backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend)),
         f" {kwargs}" if kwargs else "",
-        "the whole forward" if gatherer is None else f"{len(compiled.modules)} stage-3 blocks",
+        "the whole forward"
+        if gatherer is None or compiled.names == [""]
+        else f"{len(compiled.modules)} stage-3 blocks",
     )
     return compiled
 

@@ -681,10 +681,11 @@ class Engine(torch.nn.Module):
             self.global_samples += self.config.train_batch_size
             self.comm.ledger.end_step()
             self.monitor.on_step(self)
-            if self.periodic is not None:
-                self.periodic.after_step(self)
         self.tput_timer.stop(global_step=boundary, report_speed=False)
         self._end_micro_batch()
+        if boundary and self.periodic is not None:
+            # once the micro-batch is counted: the checkpoint records the boundary it is at
+            self.periodic.after_step(self)
 
     def _end_micro_batch(self) -> None:
         if self._counted:

@@ -11,14 +11,15 @@ so a rank holds the whole model in the compute dtype, the very thing stage 3 exi
 
 At zero.initialize the engine measures the headroom of each rank (headroom_bytes: free device
 memory on CUDA; on the host the least of available memory, RLIMIT_DATA less the private memory
-in use, and the cgroup's memory.max less its usage), takes the smallest over the ranks (so every
+in use, and the cgroup's memory.max less its usage, the shared ones divided among the node's
+$LOCAL_WORLD_SIZE ranks), takes the smallest over the ranks (so every
 rank makes the same choice: the units decide the collectives), and adds back what the engine will
 free (whole parameters it partitions) less the model states it will allocate (the paper's
 formula for the stage, planning/memory.py). A quarter of what is left (GATHERED_FRACTION) is
 the budget for gathered parameters; the rest is left for activations, the gradients of the units
 in backward, reduce-scatter buffers, the optimizer's temporaries and the allocator. (With half,
 benchmarks/largest_model.py trained 41-43 layers from run to run, 43 fails in step 2's
-all-gather; with a quarter 44, level with FSDP2.)
+all-gather; with a quarter 43 in one run and 44 in single trials, FSDP2 44.)
 
 - When the whole model in the compute dtype fits the budget, DeepSpeed's defaults stay: memory
   is plentiful and gathering more at once is faster (fewer, larger collectives).
@@ -57,9 +58,14 @@ def _size(nbytes: float) -> str:
 def _figures(headroom: int, bound_by: str, pending: int, budget: int, use: str) -> str:
     if bound_by == "stage3_fetch_budget":
         return f"stage3_fetch_budget gives {_size(budget)} for {use}"
+    states = (
+        f"less {_size(pending)} of model states still to allocate"
+        if pending >= 0
+        else f"plus {_size(-pending)} the engine frees (whole parameters it partitions)"
+    )
     return (
-        f"headroom {_size(headroom)} ({bound_by}) less {_size(pending)} of model states still "
-        f"to allocate, {GATHERED_FRACTION:.0%} for {use}: {_size(budget)}"
+        f"headroom {_size(headroom)} ({bound_by}) {states}, {GATHERED_FRACTION:.0%} for {use}: "
+        f"{_size(budget)}"
     )
 
 
@@ -96,19 +102,30 @@ def _cgroup_room() -> int | None:
 def headroom_bytes(device: torch.device) -> tuple[int, str]:
     """Bytes this rank may still allocate where gathered parameters live (`device`), and what
     bounds it ("cuda free memory", "RLIMIT_DATA", "cgroup memory.max", "available host memory").
-    Not a collective."""
+    Host memory and a cgroup limit are shared by the ranks of this node: each rank counts its
+    share, 1 / $LOCAL_WORLD_SIZE (set by zrun and torchrun; 1 without it); RLIMIT_DATA is
+    the process's own. Not a collective."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free + cached, "cuda free memory"
-    candidates = [(psutil.virtual_memory().available, "available host memory")]
+    ranks = _ranks_on_this_node()
+    share = "" if ranks == 1 else f", 1/{ranks} per rank"
+    candidates = [(psutil.virtual_memory().available // ranks, f"available host memory{share}")]
     soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
     if soft != resource.RLIM_INFINITY and os.path.exists("/proc/self/status"):
         candidates.append((soft - _private_bytes(), "RLIMIT_DATA"))
     room = _cgroup_room()
     if room is not None:
-        candidates.append((room, "cgroup memory.max"))
+        candidates.append((room // ranks, f"cgroup memory.max{share}"))
     return min(candidates)
+
+
+def _ranks_on_this_node() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    except ValueError:
+        return 1
 
 
 def choose(

@@ -1,6 +1,7 @@
 """Periodic checkpoints (checkpoint.save_interval_steps, async_save) and auto_resume: a
 background save holds exactly what a blocking one holds, a run resumed from it ends where the
-uninterrupted run ends, and a resume that cannot keep the global batch is refused."""
+uninterrupted run ends (gradient accumulation 2: the checkpoint records the boundary it was
+saved at), and a resume that cannot keep the global batch is refused."""
 
 import os
 
@@ -17,7 +18,7 @@ STEPS = 6
 
 def _config(save_dir, **checkpoint):
     return {
-        "train_batch_size": 4,
+        "train_batch_size": 8,  # 2 ranks x micro-batch 2 x accumulation 2
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
         "zero_optimization": {"stage": 2},
@@ -29,7 +30,7 @@ def _config(save_dir, **checkpoint):
 def _dataset():
     g = torch.Generator().manual_seed(3)
     return torch.utils.data.TensorDataset(
-        torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g)
+        torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
     )
 
 
@@ -58,7 +59,7 @@ def _ranks(root):
     resumed, resumed_final, _ = _train(_config(stopped, auto_resume=True), STEPS)
     failures = _failing_write(os.path.join(root, "c"), rank)
     try:
-        _train({**_config(uninterrupted, auto_resume=True), "train_batch_size": 8}, STEPS)
+        _train({**_config(uninterrupted, auto_resume=True), "train_batch_size": 16}, STEPS)
         refused = None
     except ValueError as error:
         refused = str(error)
@@ -66,7 +67,7 @@ def _ranks(root):
         "rank": rank,
         "final": final,
         "resumed_final": resumed_final,
-        "resumed_step": resumed.global_steps,
+        "resumed_step": (resumed.global_steps, resumed.micro_steps),
         "blocking": blocking,
         "refused": refused,
         "failures": failures,
@@ -114,11 +115,11 @@ def test_periodic_async_saves_and_auto_resume(tmp_path):
     for result in results:
         assert result["failures"] == 1  # rank 1's write, and rank 0's publication of it
         assert len(result["blocking"]) == 3
-        assert result["resumed_step"] == STEPS
+        assert result["resumed_step"] == (STEPS, 2 * STEPS)
         for p, q in zip(result["final"], result["resumed_final"], strict=True):
             assert torch.equal(p, q)
-        assert "train_batch_size 4 on 2 ranks" in result["refused"]
         assert "train_batch_size 8 on 2 ranks" in result["refused"]
+        assert "train_batch_size 16 on 2 ranks" in result["refused"]
 
 
 def test_periodic_keys_need_save_dir():
