@@ -62,6 +62,7 @@ from .groups import (
 from .launch import (
     LaunchEnv,
     init_process_group,
+    ranks_on_this_node,
     read_launch_env,
 )
 from .ledger import (
@@ -110,6 +111,7 @@ __all__ = [
     "is_initialized",
     "monitored_barrier",
     "new_group",
+    "ranks_on_this_node",
     "read_launch_env",
     "read_topology",
     "recv",

@@ -63,6 +63,22 @@ def read_launch_env(default_port: int = 29500) -> LaunchEnv | None:
     return LaunchEnv(values[rank_name], values[local_name], values[size_name])
 
 
+def ranks_on_this_node() -> int:
+    """How many ranks run on this node: $LOCAL_WORLD_SIZE (set by zrun and torchrun), 1 when
+    it is unset or empty. For what the ranks of a node share (host memory, a local disk). Raises
+    ValueError naming the variable when it is not a positive integer."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if raw == "":
+        return 1
+    try:
+        ranks = int(raw)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE={raw!r} is not a positive integer")
+    return ranks
+
+
 def init_process_group(backend: str, env: LaunchEnv, **options) -> None:
     """Initialize the default process group from MASTER_ADDR/MASTER_PORT (env:// rendezvous);
     `options` go to torch.distributed.init_process_group (timeout).

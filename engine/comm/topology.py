@@ -61,6 +61,17 @@ class Topology:
     def spans_nodes(self, ranks) -> bool:
         return len({self.nodes.get(r, 0) for r in ranks}) > 1
 
+    def ranks_per_node(self, ranks) -> int | None:
+        """How many of the global ranks `ranks` each node holds, when they lie node by node with
+        the same number on every node, as hierarchical collectives need (qgZ, MiCS's two-level
+        gather); None otherwise. Not a collective."""
+        nodes = [self.nodes.get(r, 0) for r in ranks]
+        order = list(dict.fromkeys(nodes))  # the nodes, in the order of their first rank
+        local = len(ranks) // len(order)
+        if nodes != [node for node in order for _ in range(local)]:
+            return None
+        return local
+
     @property
     def num_nodes(self) -> int:
         return len(set(self.nodes.values()))

@@ -72,6 +72,7 @@ from typing import ClassVar
 
 import torch
 
+from ..comm import ranks_on_this_node
 from ..config import AioConfig, ConfigError
 from ..errors import listed
 
@@ -200,7 +201,7 @@ def check_free_space(needs: list, rank: int) -> None:
     directory (optimizer and parameters sharing nvme_path) add up, times the ranks on this host
     ($LOCAL_WORLD_SIZE, set by zrun and torchrun; they all run this config), plus
     SPACE_MARGIN_BYTES."""
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    ranks = ranks_on_this_node()
     by_dir: dict[str, tuple[list[str], int]] = {}
     for key, path, need in filter(None, needs):
         keys, total = by_dir.get(os.path.realpath(path), ([], 0))

@@ -141,9 +141,12 @@ def _two_level_gather(comm: Communicator, shard: Communicator, timeout_s=None):
     ranks, size = comm.global_ranks(), shard.world_size
     for first in range(0, comm.world_size, size):  # every group: all ranks refuse, or none
         _node_blocks(comm, ranks[first : first + size])
-    nodes, local = _node_blocks(comm, shard.global_ranks())
+    local = _node_blocks(comm, shard.global_ranks())
+    nodes = size // local
     if nodes == 1 or local == 1:
         return None
+    # Groups of their own (not shard.node_groups(), whose process groups qgZ's gradient
+    # reduction uses over the same ranks, in an order that may differ from the gathers').
     node, index = divmod(shard.rank, local)
     return TwoLevelGather(
         shard.subgroup("mics-gather-intra", [node * local + i for i in range(local)], timeout_s),
@@ -151,13 +154,13 @@ def _two_level_gather(comm: Communicator, shard: Communicator, timeout_s=None):
     )
 
 
-def _node_blocks(comm: Communicator, ranks: list[int]) -> tuple[int, int]:
-    """(nodes, ranks per node) of the global ranks `ranks` when they lie node by node with the
-    same number on each node; raises NotImplementedError (the rank, the nodes, the fix) else."""
-    nodes = [comm.topology.nodes.get(r, 0) for r in ranks]
-    order = list(dict.fromkeys(nodes))  # the group's nodes, in the order of their first rank
-    local = len(ranks) // len(order)
-    if len(ranks) % len(order) or any(nodes[m] != order[m // local] for m in range(len(ranks))):
+def _node_blocks(comm: Communicator, ranks: list[int]) -> int:
+    """The ranks per node of the global ranks `ranks` when they lie node by node with the same
+    number on each node (Topology.ranks_per_node); raises NotImplementedError (the rank, the
+    nodes, the fix) else."""
+    local = comm.topology.ranks_per_node(ranks)
+    if local is None:
+        nodes = [comm.topology.nodes.get(r, 0) for r in ranks]
         raise NotImplementedError(
             f"rank {comm.rank}: zero_optimization.mics_hierarchical_params_gather = true with a "
             f"MiCS shard group whose ranks {ranks} lie on nodes {nodes} (from "
@@ -166,7 +169,7 @@ def _node_blocks(comm: Communicator, ranks: list[int]) -> tuple[int, int]:
             "(as zrun and torchrun do), use a shard size that is a multiple of the ranks per "
             "node, or set the key to false."
         )
-    return len(order), local
+    return local
 
 
 def _check_nodes(comm: Communicator, members: list[int], key: str, hierarchical: bool) -> None:

@@ -116,16 +116,14 @@ def check_node_order(comm: Communicator) -> None:
     otherwise. Not a collective."""
     ranks = comm.global_ranks()
     topology = comm.topology
-    nodes = [0] * len(ranks) if topology is None else [topology.node_of(r) for r in ranks]
-    order = list(dict.fromkeys(nodes))  # node indices in order of first appearance
-    per_node = len(ranks) // len(order)
-    if nodes != [n for n in order for _ in range(per_node)]:
-        source = "one node" if topology is None else topology.source
+    if topology is not None and topology.ranks_per_node(ranks) is None:
+        nodes = [topology.node_of(r) for r in ranks]
         raise NotImplementedError(
             f"rank {comm.rank}: zero_optimization.zero_quantized_gradients needs the "
             f"data-parallel ranks numbered node by node with the same number on every node; "
-            f"the nodes of ranks {ranks} are {nodes} (from {source}). Start the job with zrun "
-            "or torchrun (which number ranks so), give every node the same number of ranks, "
+            f"the nodes of ranks {ranks} are {nodes} (from {topology.source}). Start the job "
+            "with zrun or torchrun (which number ranks so), give every node the same number of "
+            "ranks, "
             "or set zero_quantized_gradients to false."
         )
 

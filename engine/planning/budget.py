@@ -41,6 +41,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..comm import ranks_on_this_node
 from ..partition.init import full_numel, is_partitioned
 from .memory import ModelStateSpec, model_state_formula
 
@@ -109,7 +110,7 @@ def headroom_bytes(device: torch.device) -> tuple[int, str]:
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free + cached, "cuda free memory"
-    ranks = _ranks_on_this_node()
+    ranks = ranks_on_this_node()
     share = "" if ranks == 1 else f", 1/{ranks} per rank"
     candidates = [(psutil.virtual_memory().available // ranks, f"available host memory{share}")]
     soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
@@ -119,13 +120,6 @@ def headroom_bytes(device: torch.device) -> tuple[int, str]:
     if room is not None:
         candidates.append((room // ranks, f"cgroup memory.max{share}"))
     return min(candidates)
-
-
-def _ranks_on_this_node() -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    except ValueError:
-        return 1
 
 
 def choose(
