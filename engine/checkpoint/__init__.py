@@ -32,8 +32,14 @@ from .consolidation import (
 )
 from .files import file_crc32, publish_directory
 from .format import LATEST, SAFETENSORS_DTYPES, CheckpointError
+from .full_state import consolidated_16bit_state_dict, save_16bit_model
 from .reader import load
-from .validation import deepspeed_checkpoint_files, deepspeed_checkpoint_message, verify_checksums
+from .validation import (
+    deepspeed_checkpoint_files,
+    deepspeed_checkpoint_message,
+    nothing_to_load,
+    verify_checksums,
+)
 from .weights import load_weights
 from .writer import save
 
@@ -43,14 +49,17 @@ __all__ = [
     "CheckpointError",
     "ConsolidatedReader",
     "consolidate",
+    "consolidated_16bit_state_dict",
     "consolidated_names",
     "deepspeed_checkpoint_files",
     "deepspeed_checkpoint_message",
     "file_crc32",
     "load",
     "load_weights",
+    "nothing_to_load",
     "publish_directory",
     "save",
+    "save_16bit_model",
     "save_consolidated",
     "verify_checksums",
     "write_consolidated",

@@ -217,10 +217,10 @@ class _Meta(_Schema):
 # config's gradient_accumulation_steps is refused on load (reader.py).
 
 
-def holds_gradients(engine) -> bool:
+def holds_gradients(state) -> bool:
     """True while the optimizer holds gradients no step has used ([Note: saved at an
     accumulation boundary]); not a collective."""
-    return any(b.accum is not None or b.grad_shard is not None for b in engine.optimizer.buckets)
+    return any(b.accum is not None or b.grad_shard is not None for b in state.optimizer.buckets)
 
 
 # [Note: per-rank state]
@@ -284,15 +284,6 @@ def numpy_state_tuple(value: list) -> tuple:
         raise ValueError("expected [name, keys, pos, has_gauss, cached_gaussian]")
     name, keys, *rest = value
     return (name, numpy.asarray(keys, dtype=numpy.uint32), *rest)
-
-
-def stateful_loader(engine):
-    """The engine's data loader when it has state_dict() and load_state_dict() (zero's own, or
-    a torchdata StatefulDataLoader-like object), else None. zero.initialize sets
-    engine.training_dataloader; a script may set it to its own stateful loader."""
-    loader = vars(engine).get("training_dataloader")  # never the model's attribute
-    stateful = all(callable(getattr(loader, m, None)) for m in ("state_dict", "load_state_dict"))
-    return loader if stateful else None
 
 
 def _encode_state(value, prefix: str, where: str) -> tuple:

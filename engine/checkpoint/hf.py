@@ -52,6 +52,7 @@ from ..partition.init import is_partitioned, own_ops
 from ..partition.stage3 import UnitState
 from ..partition.stages import ZeroOptimizer
 from ..progress import progress
+from .agreement import enter
 from .consolidation import ConsolidatedReader
 from .files import publish_directory
 from .format import CheckpointError
@@ -283,11 +284,6 @@ def _unwrap(model) -> torch.nn.Module:
     return model
 
 
-def _enter(comm, method: str) -> None:
-    if comm is not None and comm.agreement is not None:
-        comm.agreement.enter(method)
-
-
 def _on_every_rank(comm, device, what: str, action):
     """action() on every rank; when it raises on any rank, every rank raises (so no rank goes on
     to a collective another one never joins). Collective when `comm` spans several ranks."""
@@ -335,7 +331,7 @@ def load_pretrained(model, path, strict: bool = True) -> LoadResult:
     module = _unwrap(model)
     places = _Places(module)
     comm, device = places.comm()
-    _enter(comm, "load_pretrained")
+    enter(comm, "load_pretrained")
 
     def verify():
         places.check_at_rest()
@@ -401,12 +397,12 @@ class _Piece:
     tensor: torch.Tensor = None
 
 
-def _export_pieces(engine, skip: set) -> list[_Piece]:
+def _export_pieces(state, skip: set) -> list[_Piece]:
     """The model's tensors in the order they are written: laid-out buckets (trainable, then
     stage-3 frozen), then the other parameters and persistent buffers. Tied names: the first."""
     pieces = []
     laid_out = set()
-    for bucket in laid_out_buckets(engine.optimizer):
+    for bucket in laid_out_buckets(state.optimizer):
         source = bucket.master if bucket.master is not None else bucket.param_shard
         entries = [
             (slot.name, tuple(slot.shape), source.dtype, slot.offset)
@@ -415,43 +411,43 @@ def _export_pieces(engine, skip: set) -> list[_Piece]:
         ]
         laid_out.update(id(p) for p in bucket.params)
         pieces.append(_Piece(entries, bucket=bucket))
-    for target in _targets(engine.module):
+    for target in _targets(state.module):
         tensor, name = target.tensor, target.names[0]
         if id(tensor) not in laid_out and name not in skip:
             pieces.append(_Piece([(name, tuple(tensor.shape), tensor.dtype, 0)], tensor=tensor))
     return pieces
 
 
-def _piece_values(engine, piece: _Piece):
+def _piece_values(state, piece: _Piece):
     """Yields (name, value) of a piece's tensors one at a time on rank 0 (nothing elsewhere);
     a value is valid until the next one is asked for. A bucket's tensors are assembled from the
     owners' shards ([Note: export]): collective, every rank iterates to the end."""
-    rank0 = engine.comm.rank == 0
+    rank0 = state.comm.rank == 0
     if piece.tensor is not None:
         if rank0:
             yield piece.entries[0][0], piece.tensor
         return
     bucket = piece.bucket
-    with engine.optimizer.resident(bucket):  # nvme: master or shard read from its file
+    with state.optimizer.resident(bucket):  # nvme: master or shard read from its file
         source = bucket.master if bucket.master is not None else bucket.param_shard
         for name, shape, _, offset in piece.entries:
-            value = slot_value(engine, bucket.layout, source, offset, math.prod(shape))
+            value = slot_value(state, bucket.layout, source, offset, math.prod(shape))
             if rank0:
                 yield name, value.view(shape)
 
 
-def save_pretrained(engine, save_dir, max_shard_size="5GB", dtype=None) -> str:
+def save_pretrained(state, save_dir, max_shard_size="5GB", dtype=None) -> str:
     """Engine.save_pretrained: see there. Returns the directory on every rank."""
     limit = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size={max_shard_size!r} must be positive (e.g. '5GB')")
     dtype = _export_dtype(dtype)
-    _refuse_model_parallel(engine.optimizer)
-    _enter(engine.comm, "save_pretrained")
+    _refuse_model_parallel(state.optimizer)
+    enter(state.comm, "save_pretrained")
     save_dir = os.fspath(save_dir)
-    skip = set(getattr(engine.module, "_keys_to_ignore_on_save", None) or ())
-    pieces = _export_pieces(engine, skip)
-    rank0 = engine.comm.rank == 0
+    skip = set(getattr(state.module, "_keys_to_ignore_on_save", None) or ())
+    pieces = _export_pieces(state, skip)
+    rank0 = state.comm.rank == 0
     tmp = save_dir.rstrip("/" + os.sep) + ".tmp"
     errors: list[Exception] = []
 
@@ -470,17 +466,17 @@ def save_pretrained(engine, save_dir, max_shard_size="5GB", dtype=None) -> str:
         for name, shape, src, _ in piece.entries
     ]
     writer = attempt(lambda: _start(tmp, entries, limit))
-    for piece in progress(pieces, "save_pretrained", rank=engine.comm.rank, unit="bucket"):
-        for name, value in _piece_values(engine, piece):
+    for piece in progress(pieces, "save_pretrained", rank=state.comm.rank, unit="bucket"):
+        for name, value in _piece_values(state, piece):
             attempt(lambda name=name, value=value: writer.write(name, value))
-    attempt(lambda: _finish(engine.module, writer, tmp, save_dir, dtype))
-    failed = torch.tensor([float(bool(errors))], device=engine.device)
-    engine.comm.all_reduce(failed, op="max")
+    attempt(lambda: _finish(state.module, writer, tmp, save_dir, dtype))
+    failed = torch.tensor([float(bool(errors))], device=state.device)
+    state.comm.all_reduce(failed, op="max")
     if errors:
         raise errors[0]
     if failed.item():
         raise CheckpointError(
-            f"rank {engine.comm.rank}: rank 0 failed to write {save_dir}; see its error"
+            f"rank {state.comm.rank}: rank 0 failed to write {save_dir}; see its error"
         )
     return save_dir
 

@@ -43,21 +43,21 @@ def _numel(shape) -> int:
     return n
 
 
-def _group_buckets(engine, group: int):
-    return [b for b in engine.optimizer.buckets if b.layout.group == group]
+def _group_buckets(state, group: int):
+    return [b for b in state.optimizer.buckets if b.layout.group == group]
 
 
-def _group_slots(engine) -> list[list]:
+def _group_slots(state) -> list[list]:
     """Per param group, the trained parameters' layout Slots in the engine's layout order."""
     return [
-        [s for b in _group_buckets(engine, g) for s in b.layout.slots]
-        for g in range(engine.optimizer.layout.num_groups)
+        [s for b in _group_buckets(state, g) for s in b.layout.slots]
+        for g in range(state.optimizer.layout.num_groups)
     ]
 
 
-def _laid_out_ids(engine) -> set[int]:
+def _laid_out_ids(state) -> set[int]:
     """ids of the parameters ZeRO partitions (their values live in the rank files)."""
-    return {id(p) for b in engine.optimizer.buckets for p in b.params}
+    return {id(p) for b in state.optimizer.buckets for p in b.params}
 
 
 def _module_tensors(module):

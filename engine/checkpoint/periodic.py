@@ -216,9 +216,9 @@ class PeriodicCheckpointer:
     and/or at the first step save_interval_minutes after the previous one (rank 0's clock,
     broadcast: one 1-element broadcast per step when minutes are set).
 
-    ``after_step(engine)`` runs at the end of every optimizer step (Engine.step); collective
-    there. With async_save the step waits only for the snapshot (see [Note: asynchronous periodic
-    checkpoints]); without it, for the whole write (writer.save).
+    ``after_step(state, save)`` runs at the end of every optimizer step (Engine.step);
+    collective there. With async_save the step waits only for the snapshot (see [Note:
+    asynchronous periodic checkpoints]); without it, for the whole write (writer.save).
     """
 
     def __init__(self, checkpoint_config, wait_timeout_s: float):
@@ -244,27 +244,29 @@ class PeriodicCheckpointer:
             return None
         return cls(block, config.agreement_timeout)
 
-    def after_step(self, engine) -> None:
-        """Save when due. Collective: every rank calls it at the same optimizer step."""
-        if not self._due(engine):
+    def after_step(self, state, save) -> None:
+        """Save when due: a snapshot of the training state `state` written in the background
+        (async_save), else save(save_dir), the engine's save_checkpoint. Collective: every rank
+        calls it at the same optimizer step."""
+        if not self._due(state):
             return
         began = time.monotonic()
         self.wait()
         if self.async_save:
-            self.pending = AsyncSave(snapshot(engine, self.save_dir, self.wait_timeout_s))
+            self.pending = AsyncSave(snapshot(state, self.save_dir, self.wait_timeout_s))
         else:
-            engine.save_checkpoint(self.save_dir)
+            save(self.save_dir)
         self.last_save = time.monotonic()
         self.blocking_s.append(self.last_save - began)
 
-    def _due(self, engine) -> bool:
-        due = self.every_steps is not None and engine.global_steps % self.every_steps == 0
+    def _due(self, state) -> bool:
+        due = self.every_steps is not None and state.counters.global_steps % self.every_steps == 0
         if self.every_s is None:
             return due
         late = time.monotonic() - self.last_save >= self.every_s
-        flag = torch.tensor([float(late or due)], device=engine.device)
-        if engine.comm.world_size > 1:
-            engine.comm.broadcast(flag, src=0)
+        flag = torch.tensor([float(late or due)], device=state.device)
+        if state.comm.world_size > 1:
+            state.comm.broadcast(flag, src=0)
         return bool(flag.item())
 
     def wait(self) -> None:
@@ -278,34 +280,32 @@ class PeriodicCheckpointer:
             self.failures += 1
 
 
-def snapshot(engine, save_dir: str, wait_timeout_s: float) -> _Snapshot:
+def snapshot(state, save_dir: str, wait_timeout_s: float) -> _Snapshot:
     """Copy what this rank's checkpoint files hold into host memory and prepare `<tag>.tmp/`
     (tag global_step{N}). Collective; raises CheckpointError on every rank, before anything is
     written, as writer.save does."""
-    tag = f"global_step{engine.global_steps}"
+    tag = f"global_step{state.counters.global_steps}"
     scheduler_state, loader_state = _on_every_rank(
-        engine, "check the checkpoint tag and state", lambda: _check_inputs(engine, tag, {})
+        state, "check the checkpoint tag and state", lambda: _check_inputs(state, tag, {})
     )
-    tag = _agree_on_tag(engine, tag)
-    _on_rank_0(
-        engine, f"prepare {os.path.join(save_dir, tag)}.tmp", lambda: _prepare(save_dir, tag)
-    )
-    rank = engine.comm.rank
-    tensors, metadata = rank_file_tensors(engine, loader_state, snapshot=True)
-    frozen = _frozen_full_values(engine)
+    tag = _agree_on_tag(state, tag)
+    _on_rank_0(state, f"prepare {os.path.join(save_dir, tag)}.tmp", lambda: _prepare(save_dir, tag))
+    rank = state.comm.rank
+    tensors, metadata = rank_file_tensors(state, loader_state, snapshot=True)
+    frozen = _frozen_full_values(state)
     module_tensors = meta = None
     if rank == 0:
-        module_tensors = module_file_tensors(engine, frozen, {}, True)
-        meta = _meta(engine, tag, {}, scheduler_state, {}, {}, None)
+        module_tensors = module_file_tensors(state, frozen, {}, True)
+        meta = _meta(state, tag, {}, scheduler_state, {}, {}, None)
     event = None
-    if engine.device.type == "cuda":
+    if state.device.type == "cuda":
         event = torch.cuda.Event()
         event.record()
     return _Snapshot(
         save_dir,
         tag,
         rank,
-        engine.comm.world_size,
+        state.comm.world_size,
         tensors,
         metadata,
         module_tensors,
@@ -315,13 +315,14 @@ def snapshot(engine, save_dir: str, wait_timeout_s: float) -> _Snapshot:
     )
 
 
-def _frozen_full_values(engine) -> dict:
+def _frozen_full_values(state) -> dict:
     # Stage 3 partitions frozen parameters too; rank 0 needs their full values (a collective).
-    return engine.frozen.full_values() if engine.frozen is not None else {}
+    return state.frozen.full_values() if state.frozen is not None else {}
 
 
-def resume_latest(engine, save_dir: str):
-    """Load the checkpoint `latest` names in save_dir, saved at any world size; a save_dir
+def resume_latest(state, save_dir: str, load):
+    """Load the checkpoint `latest` names in save_dir with load(save_dir) (the engine's
+    load_checkpoint) into the training state `state`, saved at any world size; a save_dir
     without `latest` (a first run) loads nothing. Returns (checkpoint directory, client_state),
     or (None, None) when nothing was loaded.
 
@@ -337,28 +338,28 @@ def resume_latest(engine, save_dir: str):
         return None, None
     meta = read_meta(resolve(save_dir, None))
     saved = meta["config"]
-    config = engine.config
+    config = state.config
     if saved.get("train_batch_size") != config.train_batch_size:
         raise ValueError(
-            f"rank {engine.comm.rank}: cannot resume {save_dir} with the same global batch: it was "
+            f"rank {state.comm.rank}: cannot resume {save_dir} with the same global batch: it was "
             f"saved with train_batch_size {saved.get('train_batch_size')} on "
             f"{meta['world_size']} ranks (micro-batch {saved.get('train_micro_batch_size_per_gpu')}"
             f", gradient_accumulation_steps {saved.get('gradient_accumulation_steps')}), this run "
-            f"has train_batch_size {config.train_batch_size} on {engine.comm.world_size} ranks "
+            f"has train_batch_size {config.train_batch_size} on {state.comm.world_size} ranks "
             f"(micro-batch {config.train_micro_batch_size_per_gpu}, gradient_accumulation_steps "
             f"{config.gradient_accumulation_steps}). Give train_batch_size "
             f"{saved.get('train_batch_size')} and train_micro_batch_size_per_gpu, without "
             "gradient_accumulation_steps, so zero derives it for each world size (train_batch_size "
             "must be a multiple of micro-batch x world size)"
         )
-    path, client_state = engine.load_checkpoint(save_dir)
+    path, client_state = load(save_dir)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     logger.info(
         "resumed from %s at step %d: world size %d -> %d, gradient_accumulation_steps %s -> %d%s",
         path,
-        engine.global_steps,
+        state.counters.global_steps,
         meta["world_size"],
-        engine.comm.world_size,
+        state.comm.world_size,
         saved.get("gradient_accumulation_steps"),
         config.gradient_accumulation_steps,
         f" (restart {restart} of the elastic job)" if restart not in (None, "0") else "",

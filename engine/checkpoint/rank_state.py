@@ -32,7 +32,6 @@ from .format import (
     _tensor_refs,
     numpy_state_tuple,
     rank_file,
-    stateful_loader,
 )
 
 logger = logging.getLogger("zero")
@@ -47,10 +46,10 @@ def _numpy():
 
 
 # ----- save -----------------------------------------------------------------------------------
-def encode_loader(engine):
+def encode_loader(training):
     """(JSON value, tensors) of the engine's stateful data loader's state_dict(), or None.
     Raises CheckpointError naming the entry a checkpoint cannot hold."""
-    loader = stateful_loader(engine)
+    loader = training.stateful_loader()
     if loader is None:
         return None
     return _encode_state(
@@ -97,15 +96,15 @@ def files_to_read(meta: dict, rank: int, wants_loader: bool) -> set[str]:
     return {rank_file(0)} if wants_loader else set()
 
 
-def read(path: str, meta: dict, engine, wants_loader: bool, open_file) -> RankState:
+def read(path: str, meta: dict, training, wants_loader: bool, open_file) -> RankState:
     """This rank's saved state, checked: tensors of the right dtype and length, metadata JSON
     that the generators accept. `open_file(path, name)` opens a safetensors file. Raises
     CheckpointError naming the file and the key. Not a collective."""
-    rank, state = engine.comm.rank, RankState()
+    rank, state = training.comm.rank, RankState()
     if str(rank) in meta["ranks"]:
         handle, file = open_file(path, rank_file(rank)), os.path.join(path, rank_file(rank))
         state.torch_cpu = _u8(handle, file, "rng.torch_cpu", torch.get_rng_state())
-        device = engine.device
+        device = training.device
         if device.type != "cpu" and f"rng.torch_{device.type}" in handle.keys():
             current = get_accelerator().get_rng_state(device.index)
             state.device = _u8(handle, file, f"rng.torch_{device.type}", current)
@@ -180,17 +179,17 @@ def derived_seed(rank: int, global_steps: int) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
-def apply_rng(engine, meta: dict, state: RankState, path: str) -> None:
+def apply_rng(training, meta: dict, state: RankState, path: str) -> None:
     """Set this rank's generators from `state`, deriving those it lacks (with a warning).
     Not a collective."""
-    rank, derived = engine.comm.rank, []
+    rank, derived = training.comm.rank, []
     seed = derived_seed(rank, meta["counters"]["global_steps"])
     if state.torch_cpu is not None:
         torch.set_rng_state(state.torch_cpu)
     else:
         torch.default_generator.manual_seed(seed)
         derived.append("torch CPU")
-    device = engine.device
+    device = training.device
     if device.type != "cpu":
         if state.device is not None:
             get_accelerator().set_rng_state(state.device, device.index)
@@ -226,12 +225,12 @@ def apply_rng(engine, meta: dict, state: RankState, path: str) -> None:
         )
 
 
-def apply_loader(engine, meta: dict, state: RankState, path: str) -> None:
+def apply_loader(training, meta: dict, state: RankState, path: str) -> None:
     """Give the engine's stateful data loader the saved state (rank 0's where this rank saved
     none), or warn that it keeps its position. Not a collective. Raises CheckpointError
     carrying what the loader's load_state_dict raised (load runs this before anything else
     changes)."""
-    loader, rank = stateful_loader(engine), engine.comm.rank
+    loader, rank = training.stateful_loader(), training.comm.rank
     if loader is None:
         return
     if state.loader is None:

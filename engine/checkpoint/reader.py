@@ -34,7 +34,6 @@ from .format import (
     holds_gradients,
     optimizer_name,
     rank_file,
-    stateful_loader,
 )
 from .ownership import (
     _group_slots,
@@ -278,25 +277,25 @@ class GroupReader:
 
 
 # ----- load -----------------------------------------------------------------------------------
-def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_only):
+def load(state, load_dir, tag, strict, load_optimizer, load_scheduler, module_only):
     """Read a checkpoint into the engine; see Engine.load_checkpoint. Everything is verified on
     every rank (and the ranks agree on it) before any engine state changes."""
     load_optimizer = load_optimizer and not module_only
     load_scheduler = load_scheduler and not module_only
     loading = (load_optimizer, load_scheduler, module_only)
     path, meta, reader, owned, kinds, module_values, saved, kept, version = _on_every_rank(
-        engine,
+        state,
         f"verify the checkpoint in {load_dir}",
-        lambda: _verify(engine, load_dir, tag, strict, *loading),
+        lambda: _verify(state, load_dir, tag, strict, *loading),
     )
-    _agree_on_version(engine, path, version)
+    _agree_on_version(state, path, version)
     if not module_only:  # first: a loader that refuses its state leaves everything unchanged
         _on_every_rank(
-            engine,
+            state,
             f"restore the data loader's state from {path}",
-            lambda: rank_state.apply_loader(engine, meta, saved, path),
+            lambda: rank_state.apply_loader(state, meta, saved, path),
         )
-    if kept and engine.comm.rank == 0:
+    if kept and state.comm.rank == 0:
         logger.info(
             "load_checkpoint: %s was saved with exclude_frozen_parameters=True; the %d frozen "
             "parameters it left out keep this model's current values: %s",
@@ -306,18 +305,18 @@ def load(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_o
         )
     # Verified: from here on state changes. Values are read straight into their destinations.
     with torch.no_grad():
-        _read_shards(engine, meta, reader, owned, kinds, load_optimizer)
+        _read_shards(state, meta, reader, owned, kinds, load_optimizer)
         for tensor, value in module_values:
-            if engine.frozen is not None and engine.frozen.full_shape(tensor) is not None:
-                engine.frozen.write(tensor, value)  # stage 3: a partitioned frozen parameter
+            if state.frozen is not None and state.frozen.full_shape(tensor) is not None:
+                state.frozen.write(tensor, value)  # stage 3: a partitioned frozen parameter
             else:
                 tensor.copy_(value.to(tensor.dtype))
-        if engine.gatherer is not None:
-            engine.gatherer.forget_writes()  # the checkpoint's values replace them
-        engine.optimizer.refresh_params()
+        if state.gatherer is not None:
+            state.gatherer.forget_writes()  # the checkpoint's values replace them
+        state.optimizer.refresh_params()
     if not module_only:
-        _apply_training_state(engine, meta, load_optimizer, load_scheduler)
-        rank_state.apply_rng(engine, meta, saved, path)
+        _apply_training_state(state, meta, load_optimizer, load_scheduler)
+        rank_state.apply_rng(state, meta, saved, path)
     return path, meta["client_state"]
 
 
@@ -351,33 +350,33 @@ def _replaced(path: str) -> CheckpointError:
     )
 
 
-def _agree_on_version(engine, path: str, version) -> None:
+def _agree_on_version(state, path: str, version) -> None:
     """[Note: a tag replaced during a load]: every rank raises CheckpointError when the ranks
     read different versions of meta.json. Collective."""
-    if engine.comm.world_size == 1:
+    if state.comm.world_size == 1:
         return
     crc = version[2]
-    bounds = torch.tensor([crc, -crc], dtype=torch.int64, device=engine.device)
-    engine.comm.all_reduce(bounds, op="max")
+    bounds = torch.tensor([crc, -crc], dtype=torch.int64, device=state.device)
+    state.comm.all_reduce(bounds, op="max")
     if bounds[0].item() != -bounds[1].item():
         raise CheckpointError(
-            f"rank {engine.comm.rank}: the ranks read different versions of {path} (meta.json "
+            f"rank {state.comm.rank}: the ranks read different versions of {path} (meta.json "
             f"crc32 {crc:08x} here): a save_checkpoint of tag {os.path.basename(path)!r} "
             "published a new version during this load; load again (nothing was changed)"
         )
 
 
-def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler, module_only):
+def _verify(state, load_dir, tag, strict, load_optimizer, load_scheduler, module_only):
     """Resolve, read metadata, and check every file, key, range and value this rank will read
     or apply: meta.json against its schema, the size and crc32 of every file this rank reads
     (before it opens them), each tensor's dtype and shape, the training state's keys; and that
     no save replaced the tag meanwhile ([Note: a tag replaced during a load]). Returns what
     load applies, and the version read."""
-    _refuse_mid_accumulation(engine)
+    _refuse_mid_accumulation(state)
     path = resolve(load_dir, tag)
     version = _version(path)
     try:
-        found = _verify_version(engine, path, strict, load_optimizer, load_scheduler, module_only)
+        found = _verify_version(state, path, strict, load_optimizer, load_scheduler, module_only)
     except Exception as error:
         if _version(path) != version:
             raise _replaced(path) from error
@@ -387,11 +386,11 @@ def _verify(engine, load_dir, tag, strict, load_optimizer, load_scheduler, modul
     return (*found, version)
 
 
-def _refuse_mid_accumulation(engine) -> None:
+def _refuse_mid_accumulation(state) -> None:
     """Gradients accumulated since the last step belong to the weights a load replaces."""
-    if holds_gradients(engine):
+    if holds_gradients(state):
         raise CheckpointError(
-            f"rank {engine.comm.rank}: load_checkpoint between the micro-batches of a gradient "
+            f"rank {state.comm.rank}: load_checkpoint between the micro-batches of a gradient "
             "accumulation cycle: the gradients accumulated since the last optimizer step would "
             "be applied to the loaded weights. Call load_checkpoint before training, or after "
             "engine.step() at the accumulation boundary"
@@ -417,35 +416,35 @@ def _mid_cycle(meta: dict) -> list[str]:
     ]
 
 
-def _verify_version(engine, path, strict, load_optimizer, load_scheduler, module_only):
+def _verify_version(state, path, strict, load_optimizer, load_scheduler, module_only):
     meta = read_meta(path)
-    slots = _group_slots(engine)
+    slots = _group_slots(state)
     layout_problems = [f"{META}: {p}" for p in _layout_problems(meta, slots)]
     order = [[s.name for s in group] for group in slots]
     reader = GroupReader(path, meta, None if layout_problems else order)
-    shard = engine.optimizer.layout.shard_of(engine.comm.rank)
+    shard = state.optimizer.layout.shard_of(state.comm.rank)
     owned = [
         (group, lo, hi, bucket)
-        for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items()
+        for group, ranges in owned_ranges(state.optimizer.buckets, shard).items()
         for lo, hi, bucket in ranges
     ]
-    wants_loader = not module_only and stateful_loader(engine) is not None
-    if engine.config.checkpoint.verify_checksums:
+    wants_loader = not module_only and state.stateful_loader() is not None
+    if state.config.checkpoint.verify_checksums:
         files = {MODULE_FILE} | {f for g, lo, hi, _ in owned for f in reader.files(g, lo, hi)}
-        files |= rank_state.files_to_read(meta, engine.comm.rank, wants_loader)
+        files |= rank_state.files_to_read(meta, state.comm.rank, wants_loader)
         verify_checksums(path, meta, files)
-    laid_out = _laid_out_ids(engine)
-    module_values, module_problems, kept = _read_module_file(path, engine, laid_out, strict, meta)
+    laid_out = _laid_out_ids(state)
+    module_values, module_problems, kept = _read_module_file(path, state, laid_out, strict, meta)
     problems = layout_problems + module_problems + _trained_but_excluded(meta, slots)
     if problems:
         raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems)}")
-    current = optimizer_name(engine.optimizer.optimizer)
+    current = optimizer_name(state.optimizer.optimizer)
     if load_optimizer and meta["optimizer"] != current:
         raise CheckpointError(
             f"{os.path.join(path, META)}: optimizer {meta['optimizer']!r} was saved, this run uses "
             f"{current!r}; pass load_optimizer_states=False to load the weights only"
         )
-    problems = _training_state_problems(meta, engine, load_optimizer, load_scheduler)
+    problems = _training_state_problems(meta, state, load_optimizer, load_scheduler)
     problems += [] if module_only else _mid_cycle(meta)
     if problems:
         raise CheckpointError(f"{os.path.join(path, META)}: {'; '.join(problems)}")
@@ -453,7 +452,7 @@ def _verify_version(engine, path, strict, load_optimizer, load_scheduler, module
     for group, lo, hi, _ in owned:
         for kind in kinds:
             reader.check(group, kind, lo, hi)
-    saved = rank_state.read(path, meta, engine, wants_loader, _open)
+    saved = rank_state.read(path, meta, state, wants_loader, _open)
     return path, meta, reader, owned, kinds, module_values, saved, kept
 
 
@@ -471,24 +470,24 @@ def _trained_but_excluded(meta: dict, slots: list[list]) -> list[str]:
     ]
 
 
-def _full_shape(engine, tensor) -> tuple:
+def _full_shape(state, tensor) -> tuple:
     """The tensor's shape; for a stage-3 partitioned frozen parameter, its full shape."""
-    shape = engine.frozen.full_shape(tensor) if engine.frozen is not None else None
+    shape = state.frozen.full_shape(tensor) if state.frozen is not None else None
     return tuple(tensor.shape) if shape is None else tuple(shape)
 
 
-def _read_module_file(path: str, engine, laid_out: set[int], strict: bool, meta: dict):
+def _read_module_file(path: str, state, laid_out: set[int], strict: bool, meta: dict):
     """([(tensor, saved value)], problems, kept names) for every tensor ZeRO does not lay out
     (frozen and empty parameters, buffers), checked against module.safetensors. Kept: the frozen
     parameters the checkpoint left out that are frozen here too ([Note: frozen parameters left
     out] in format.py), which keep their current values."""
     handle = _open(path, MODULE_FILE)
     targets, seen = {}, set()
-    for name, tensor in _module_tensors(engine.module):
+    for name, tensor in _module_tensors(state.module):
         if id(tensor) not in laid_out and id(tensor) not in seen:
             seen.add(id(tensor))
             targets[name] = tensor
-    skip = non_persistent_buffer_names(engine.module)  # older checkpoints hold them too
+    skip = non_persistent_buffer_names(state.module)  # older checkpoints hold them too
     saved = {n: handle.get_slice(n).get_shape() for n in handle.keys() if n not in skip}
     excluded = set(meta.get("excluded_frozen") or ())
     kept = [
@@ -501,7 +500,7 @@ def _read_module_file(path: str, engine, laid_out: set[int], strict: bool, meta:
     ]
     for name in kept:
         del targets[name]
-    problems = _differences(saved, {n: _full_shape(engine, t) for n, t in targets.items()})
+    problems = _differences(saved, {n: _full_shape(state, t) for n, t in targets.items()})
     if not strict:
         problems = [p for p in problems if "shape" in p]
     for name, tensor in targets.items():
@@ -514,15 +513,15 @@ def _read_module_file(path: str, engine, laid_out: set[int], strict: bool, meta:
     return values, [f"{MODULE_FILE}: {p}" for p in problems], kept
 
 
-def _read_shards(engine, meta, reader, owned, kinds, load_optimizer: bool) -> None:
-    state = engine.optimizer.optimizer.state
-    for group, lo, hi, bucket in progress(owned, "load", rank=engine.global_rank, unit="range"):
-        with engine.optimizer.resident(bucket, write=True):  # nvme: read, change, write back
+def _read_shards(state, meta, reader, owned, kinds, load_optimizer: bool) -> None:
+    opt_state = state.optimizer.optimizer.state
+    for group, lo, hi, bucket in progress(owned, "load", rank=state.global_rank, unit="range"):
+        with state.optimizer.resident(bucket, write=True):  # nvme: read, change, write back
             for kind in kinds:
                 if kind == "master":
                     target = bucket.master
                 else:
-                    per_param = state.setdefault(bucket.master, {})
+                    per_param = opt_state.setdefault(bucket.master, {})
                     if kind not in per_param:
                         per_param[kind] = torch.zeros_like(bucket.master)
                     target = per_param[kind]
@@ -532,7 +531,7 @@ def _read_shards(engine, meta, reader, owned, kinds, load_optimizer: bool) -> No
                 value = item["value"]
                 if item["tensor"]:
                     value = torch.tensor(value, dtype=_dtype(item["tensor"]))
-                state.setdefault(bucket.master, {})[key] = value
+                opt_state.setdefault(bucket.master, {})[key] = value
 
 
 def _read_to_device(reader, group: int, kind: str, begin: int, target: torch.Tensor) -> None:
@@ -542,24 +541,20 @@ def _read_to_device(reader, group: int, kind: str, begin: int, target: torch.Ten
         target.copy_(reader.read(group, kind, begin, begin + target.numel()))
 
 
-def _apply_training_state(engine, meta, load_optimizer: bool, load_scheduler: bool) -> None:
+def _apply_training_state(state, meta, load_optimizer: bool, load_scheduler: bool) -> None:
     if load_optimizer:
         # A scheduler whose state is not loaded keeps driving the lr: the param groups keep the
         # values it wrote ([Note: a scheduler that is not loaded]).
-        kept = _scheduled_keys(engine.lr_scheduler) if not load_scheduler else ()
-        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+        kept = _scheduled_keys(state.lr_scheduler) if not load_scheduler else ()
+        for group, saved in zip(state.optimizer.param_groups, meta["param_groups"]):
             for key, value in saved.items():
                 if key == "params" or key not in group or key in kept:
                     continue  # only the hyper-parameters this optimizer has: never its tensors
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
-        engine.scaler.load_state_dict(meta["loss_scaler"])
-    if load_scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    counters = meta["counters"]
-    engine.global_steps = counters["global_steps"]
-    engine.global_samples = counters["global_samples"]
-    engine.skipped_steps = counters["skipped_steps"]
-    engine.micro_steps = counters["micro_steps"]
+        state.scaler.load_state_dict(meta["loss_scaler"])
+    if load_scheduler and state.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        state.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    state.counters.load_state_dict(meta["counters"])
 
 
 def _scheduled_keys(scheduler) -> tuple[str, ...]:

@@ -6,11 +6,37 @@ scheduler) against this run's; _verify (reader.py) runs them on every rank befor
 written. Also recognizes a DeepSpeed checkpoint directory, so that it is named as one.
 """
 
+import logging
 import os
 import re
 
+from .agreement import enter
 from .files import file_crc32
-from .format import META, CheckpointError, _jsonable
+from .format import LATEST, META, CheckpointError, _jsonable
+
+logger = logging.getLogger("zero")
+
+
+def nothing_to_load(state, load_dir: str, tag) -> bool:
+    """True when load_checkpoint without a tag finds no `latest` file in load_dir (nothing saved
+    yet: a first run of an auto-resuming script): DeepSpeed then loads nothing and warns, and
+    so does zero, naming a DeepSpeed checkpoint found there and its migration path. Collective:
+    every rank must see the same (RankMismatchError otherwise)."""
+    nothing = tag is None and not os.path.lexists(os.path.join(load_dir, LATEST))
+    enter(state.comm, "load_checkpoint", int(nothing))
+    if nothing:
+        deepspeed = deepspeed_checkpoint_files(load_dir)
+        logger.warning(
+            "load_checkpoint: %s has no '%s' file: nothing was loaded (pass tag= to load a "
+            "checkpoint by name)%s",
+            load_dir,
+            LATEST,
+            "; it holds a DeepSpeed checkpoint: "
+            + deepspeed_checkpoint_message(load_dir, deepspeed)
+            if deepspeed
+            else "",
+        )
+    return nothing
 
 
 def verify_checksums(path: str, meta: dict, names) -> None:
@@ -64,11 +90,11 @@ def _differences(saved: dict, current: dict) -> list[str]:
     return problems
 
 
-def _training_state_problems(meta, engine, load_optimizer: bool, load_scheduler: bool) -> list:
+def _training_state_problems(meta, state, load_optimizer: bool, load_scheduler: bool) -> list:
     """What in the saved param groups and lr scheduler state this run could not apply."""
     problems = []
     if load_optimizer:
-        saved, current = meta["param_groups"], engine.optimizer.param_groups
+        saved, current = meta["param_groups"], state.optimizer.param_groups
         if len(saved) != len(current):
             problems.append(
                 f"key 'param_groups' has {len(saved)} groups, the optimizer {len(current)}"
@@ -76,7 +102,7 @@ def _training_state_problems(meta, engine, load_optimizer: bool, load_scheduler:
         for index, (group, now) in enumerate(zip(saved, current)):
             now = _jsonable({k: v for k, v in now.items() if k != "params" and k in group})
             problems += _kind_problems(group, now, f"param_groups.{index}")
-    scheduler = engine.lr_scheduler
+    scheduler = state.lr_scheduler
     if load_scheduler and scheduler is not None and meta["lr_scheduler"] is None:
         name = type(scheduler).__name__
         problems.append(

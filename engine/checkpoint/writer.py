@@ -17,7 +17,7 @@ import torch
 
 from ..progress import progress
 from . import rank_state
-from .agreement import _on_every_rank, _on_rank_0, _share_text
+from .agreement import _on_every_rank, _on_rank_0, _share_text, enter
 from .files import (
     _create_json,
     _fsync_dir,
@@ -45,7 +45,7 @@ logger = logging.getLogger("zero")
 
 
 def save(
-    engine,
+    state,
     save_dir: str,
     tag: str | None,
     client_state: Mapping,
@@ -57,68 +57,85 @@ def save(
     `exclude_frozen` leaves the frozen parameters (requires_grad=False) out of module.safetensors
     and lists their names in meta.json's `excluded_frozen` ([Note: frozen parameters left out]).
 
-    Collective. Raises CheckpointError on every rank (before anything is written) for a bad tag
+    Collective: every rank calls it with the same exclude_frozen (RankMismatchError
+    otherwise). Raises CheckpointError on every rank (before anything is written) for a bad tag
     or client_state, a data loader state a checkpoint cannot hold, or a save while the optimizer
     holds accumulated gradients ([Note: saved at an accumulation boundary] in format.py); and on
     every rank when any rank fails to write (the failing rank raises its own error); the
     previous checkpoint and `latest` stay as they were then.
     """
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    _refuse_excluded_trainable(state, exclude_frozen)
+    enter(state.comm, "save_checkpoint", int(exclude_frozen))
+    tag = tag if tag is not None else f"global_step{state.counters.global_steps}"
     scheduler_state, loader_state = _on_every_rank(
-        engine,
+        state,
         "check the checkpoint tag and state",
-        lambda: _check_inputs(engine, tag, client_state),
+        lambda: _check_inputs(state, tag, client_state),
     )
-    tag = _agree_on_tag(engine, tag)
+    tag = _agree_on_tag(state, tag)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    _on_rank_0(engine, f"prepare {tmp}", lambda: _prepare(save_dir, tag))
+    _on_rank_0(state, f"prepare {tmp}", lambda: _prepare(save_dir, tag))
     try:
-        excluded = dict(_frozen_params(engine)) if exclude_frozen else None
+        excluded = dict(_frozen_params(state)) if exclude_frozen else None
         # Stage 3 partitions frozen parameters too: rank 0 gathers them for module.safetensors
         # (unless they are all left out).
-        gather = engine.frozen is not None and not exclude_frozen
-        frozen = engine.frozen.full_values() if gather else {}
+        gather = state.frozen is not None and not exclude_frozen
+        frozen = state.frozen.full_values() if gather else {}
         written = _on_every_rank(
-            engine,
+            state,
             f"write {tmp}",
-            lambda: _write_files(engine, tmp, frozen, excluded or {}, loader_state),
+            lambda: _write_files(state, tmp, frozen, excluded or {}, loader_state),
         )
-        files, crcs = _gather_files(engine, written)
+        files, crcs = _gather_files(state, written)
 
         def publish():
-            meta = _meta(engine, tag, dict(client_state), scheduler_state, files, crcs, excluded)
+            meta = _meta(state, tag, dict(client_state), scheduler_state, files, crcs, excluded)
             _finish(meta, save_dir, tag, save_latest)
 
-        _on_rank_0(engine, f"publish {final}", publish)
+        _on_rank_0(state, f"publish {final}", publish)
     except Exception:
-        if engine.comm.rank == 0:
+        if state.comm.rank == 0:
             with contextlib.suppress(OSError):
                 _remove(tmp)  # the next save would remove it too
         raise
     return final
 
 
-def _check_inputs(engine, tag, client_state: Mapping):
+def _refuse_excluded_trainable(state, exclude_frozen: bool) -> None:
+    """NotImplementedError, before any collective, for exclude_frozen_parameters=True on a
+    stage-3 engine without an optimizer whose parameters require grad: only such an engine
+    partitions trainable parameters outside its optimizer, and the writer gathers those only
+    when it leaves none of them out."""
+    shards = state.frozen.buckets if state.frozen is not None else []
+    if exclude_frozen and any(p.requires_grad for b in shards for p in b.params):
+        raise NotImplementedError(
+            f"rank {state.comm.rank}: save_checkpoint(exclude_frozen_parameters=True) on a "
+            "stage-3 engine built without an optimizer whose parameters require grad; save "
+            "without exclude_frozen_parameters (every parameter is then written)"
+        )
+
+
+def _check_inputs(state, tag, client_state: Mapping):
     """This rank's checks before anything is written; returns the lr scheduler's state and the
     data loader's (None, or its encoded state_dict() and tensors)."""
     _check_tag(tag)
-    _refuse_mid_accumulation(engine)
+    _refuse_mid_accumulation(state)
     _check_json(client_state, "client_state")
     _check_json_size(client_state, "client_state")
-    return _scheduler_state(engine), rank_state.encode_loader(engine)
+    return _scheduler_state(state), rank_state.encode_loader(state)
 
 
-def _refuse_mid_accumulation(engine) -> None:
+def _refuse_mid_accumulation(state) -> None:
     """[Note: saved at an accumulation boundary] in format.py: CheckpointError while the
     optimizer holds gradients that no step has used yet."""
-    if not holds_gradients(engine):
+    if not holds_gradients(state):
         return
-    gas = engine.config.gradient_accumulation_steps
+    gas = state.config.gradient_accumulation_steps
     raise CheckpointError(
-        f"rank {engine.comm.rank}: save_checkpoint between the micro-batches of a gradient "
+        f"rank {state.comm.rank}: save_checkpoint between the micro-batches of a gradient "
         f"accumulation cycle (gradient_accumulation_steps={gas}, micro_steps="
-        f"{engine.micro_steps}): this rank holds the gradients accumulated since the last "
+        f"{state.counters.micro_steps}): this rank holds the gradients accumulated since the last "
         "optimizer step, which a checkpoint does not carry, so a run resumed from it would step "
         "without them. Call save_checkpoint after engine.step() at the accumulation boundary "
         f"(after the step that ends each cycle of {gas} micro-batches)"
@@ -142,19 +159,19 @@ def _prepare(save_dir: str, tag: str) -> None:
     os.mkdir(os.path.join(save_dir, tag + ".tmp"))
 
 
-def _agree_on_tag(engine, tag: str) -> str:
+def _agree_on_tag(state, tag: str) -> str:
     """Every rank saves under rank 0's tag. A rank whose own tag differs is reported as
     checkpoint.tag_validation says: Warn (log, go on), Fail (CheckpointError on every rank) or
     Ignore. Every rank's tag has passed _check_tag. Collective."""
-    if engine.comm.world_size == 1:
+    if state.comm.world_size == 1:
         return tag
-    chosen = _share_text(engine, tag, src=0)  # a checked tag fits the message buffer whole
-    differs = torch.tensor([float(chosen != tag)], device=engine.device)
-    engine.comm.all_reduce(differs, op="max")
-    mode = engine.config.checkpoint.tag_validation
+    chosen = _share_text(state, tag, src=0)  # a checked tag fits the message buffer whole
+    differs = torch.tensor([float(chosen != tag)], device=state.device)
+    state.comm.all_reduce(differs, op="max")
+    mode = state.config.checkpoint.tag_validation
     if differs.item() and mode != "Ignore":
         message = (
-            f"rank {engine.comm.rank}: ranks passed different checkpoint tags (this rank {tag!r}, "
+            f"rank {state.comm.rank}: ranks passed different checkpoint tags (this rank {tag!r}, "
             f"rank 0 {chosen!r}); pass the same tag on every rank (checkpoint.tag_validation)"
         )
         if mode == "Fail":
@@ -210,38 +227,38 @@ def _no_tuples(value) -> bool:
     return True
 
 
-def _scheduler_state(engine):
-    if engine.lr_scheduler is None:
+def _scheduler_state(state):
+    if state.lr_scheduler is None:
         return None
-    state = engine.lr_scheduler.state_dict()
+    scheduler_state = state.lr_scheduler.state_dict()
     try:
-        json.dumps(state, allow_nan=True)
+        json.dumps(scheduler_state, allow_nan=True)
     except (TypeError, ValueError):
         raise CheckpointError(
-            f"the lr scheduler {type(engine.lr_scheduler).__name__} has a state_dict that is not "
+            f"the lr scheduler {type(state.lr_scheduler).__name__} has a state_dict that is not "
             "JSON-serializable; use a scheduler from the config or one with plain state"
         ) from None
-    return state
+    return scheduler_state
 
 
-def _write_files(engine, directory: str, frozen: dict, excluded: dict, loader_state) -> dict:
-    written = {rank_file(engine.comm.rank): _write_rank_file(engine, directory, loader_state)}
-    if engine.comm.rank == 0:
-        written[MODULE_FILE] = _write_module_file(engine, directory, frozen, excluded)
+def _write_files(state, directory: str, frozen: dict, excluded: dict, loader_state) -> dict:
+    written = {rank_file(state.comm.rank): _write_rank_file(state, directory, loader_state)}
+    if state.comm.rank == 0:
+        written[MODULE_FILE] = _write_module_file(state, directory, frozen, excluded)
     return written
 
 
-def _gather_files(engine, written: dict) -> tuple[dict, dict]:
+def _gather_files(state, written: dict) -> tuple[dict, dict]:
     """(name -> size in bytes, name -> crc32) of every rank's files, from the (size, crc32)
     each rank measured of the files it wrote; complete on rank 0. Collective."""
-    rank = engine.comm.rank
-    table = torch.zeros(engine.comm.world_size, 4, dtype=torch.int64)
+    rank = state.comm.rank
+    table = torch.zeros(state.comm.world_size, 4, dtype=torch.int64)
     for column, name in enumerate((rank_file(rank), MODULE_FILE)):
         if name in written:
             size, crc = written[name]
             table[rank, 2 * column : 2 * column + 2] = torch.tensor([size, int(crc, 16)])
-    table = table.to(engine.device)
-    engine.comm.all_reduce(table)
+    table = table.to(state.device)
+    state.comm.all_reduce(table)
     files, crcs = {}, {}
     for r, (size, crc, module_size, module_crc) in enumerate(table.tolist()):
         files[rank_file(r)], crcs[rank_file(r)] = size, f"{crc:08x}"
@@ -250,45 +267,45 @@ def _gather_files(engine, written: dict) -> tuple[dict, dict]:
     return files, crcs
 
 
-def _sharded_state_keys(engine) -> list[str]:
+def _sharded_state_keys(state) -> list[str]:
     """Optimizer state entries shaped like the master shard (Adam: exp_avg, exp_avg_sq)."""
     keys: set[str] = set()
-    for bucket in engine.optimizer.buckets:
-        for key, value in engine.optimizer.optimizer.state.get(bucket.master, {}).items():
+    for bucket in state.optimizer.buckets:
+        for key, value in state.optimizer.optimizer.state.get(bucket.master, {}).items():
             if torch.is_tensor(value) and value.shape == bucket.master.shape and value.dim():
                 keys.add(key)
     return sorted(keys)
 
 
-def _write_rank_file(engine, directory: str, loader_state) -> tuple[int, str]:
+def _write_rank_file(state, directory: str, loader_state) -> tuple[int, str]:
     """rank<r>.safetensors: this rank's shards and its per-rank state ([Note: per-rank state]
     in format.py)."""
-    tensors, metadata = rank_file_tensors(engine, loader_state, snapshot=False)
-    path = os.path.join(directory, rank_file(engine.comm.rank))
+    tensors, metadata = rank_file_tensors(state, loader_state, snapshot=False)
+    path = os.path.join(directory, rank_file(state.comm.rank))
     return _write_shard(tensors, path, metadata)
 
 
-def rank_file_tensors(engine, loader_state, snapshot: bool) -> tuple[dict, dict]:
+def rank_file_tensors(state, loader_state, snapshot: bool) -> tuple[dict, dict]:
     """(tensors, metadata) of this rank's rank<r>.safetensors. `snapshot`: every tensor is a
     host copy that later training does not change (periodic.py writes it from a thread);
     otherwise a CPU master shard is written from its own memory, without a copy."""
-    tensors, metadata = rank_state.capture(engine.device, loader_state)
-    shard = _written_shard(engine.optimizer.layout, engine.comm.rank)
+    tensors, metadata = rank_state.capture(state.device, loader_state)
+    shard = _written_shard(state.optimizer.layout, state.comm.rank)
     if shard is None:
         return tensors, metadata
-    state = engine.optimizer.optimizer.state
-    kinds = _sharded_state_keys(engine)
-    for group, ranges in owned_ranges(engine.optimizer.buckets, shard).items():
-        bar = progress(ranges, f"save group {group}", rank=engine.global_rank, unit="bucket")
+    opt_state = state.optimizer.optimizer.state
+    kinds = _sharded_state_keys(state)
+    for group, ranges in owned_ranges(state.optimizer.buckets, shard).items():
+        bar = progress(ranges, f"save group {group}", rank=state.global_rank, unit="bucket")
         for index, (lo, hi, bucket) in enumerate(bar):
             # The owned, unpadded part of a bucket is the head of its shard (padding is at
             # the end); a prefix view is written without a copy, except of nvme state
             # (engine/offload/nvme.py), whose host buffer is reused for the next bucket.
-            offloader = engine.optimizer.offloader
+            offloader = state.optimizer.offloader
             swapped = offloader is not None and offloader.swapped(bucket)
-            with engine.optimizer.resident(bucket):
+            with state.optimizer.resident(bucket):
                 values = {"master": bucket.master[: hi - lo]}
-                values.update({kind: state[bucket.master][kind][: hi - lo] for kind in kinds})
+                values.update({kind: opt_state[bucket.master][kind][: hi - lo] for kind in kinds})
                 for kind, value in values.items():
                     key = f"group{group}.{kind}.{index}"
                     tensors[key] = _host_value(value, snapshot or swapped)
@@ -308,21 +325,21 @@ def _host_value(value, copy: bool):
     return host
 
 
-def _write_module_file(engine, directory: str, frozen: dict, excluded: dict) -> tuple[int, str]:
+def _write_module_file(state, directory: str, frozen: dict, excluded: dict) -> tuple[int, str]:
     """module.safetensors: frozen and empty parameters and buffers; `frozen` maps id(param) to
     the full value of a stage-3 partitioned frozen parameter; the parameters of `excluded`
     (name -> frozen parameter) are left out."""
-    tensors = module_file_tensors(engine, frozen, excluded, snapshot=False)
+    tensors = module_file_tensors(state, frozen, excluded, snapshot=False)
     return _write_shard(tensors, os.path.join(directory, MODULE_FILE))
 
 
-def module_file_tensors(engine, frozen: dict, excluded: dict, snapshot: bool) -> dict:
+def module_file_tensors(state, frozen: dict, excluded: dict, snapshot: bool) -> dict:
     """The tensors of module.safetensors (see _write_module_file); `snapshot`: host copies
     that later training does not change."""
-    laid_out = _laid_out_ids(engine)
+    laid_out = _laid_out_ids(state)
     seen = {id(param) for param in excluded.values()}
     tensors = {}
-    for name, tensor in _module_tensors(engine.module):
+    for name, tensor in _module_tensors(state.module):
         if id(tensor) in laid_out or id(tensor) in seen:
             continue
         seen.add(id(tensor))
@@ -334,47 +351,42 @@ def module_file_tensors(engine, frozen: dict, excluded: dict, snapshot: bool) ->
 
 
 def _meta(
-    engine, tag: str, client_state: dict, scheduler_state, files: dict, crcs: dict, excluded
+    state, tag: str, client_state: dict, scheduler_state, files: dict, crcs: dict, excluded
 ) -> dict:
     """meta.json's contents; `excluded`: name -> frozen parameter left out of the checkpoint, or
     None when the save did not ask for that (then meta.json has no `excluded_frozen`)."""
     left_out = {id(param) for param in (excluded or {}).values()}
-    optimizer = engine.optimizer.optimizer
+    optimizer = state.optimizer.optimizer
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     ranks = {}
-    for rank in range(engine.comm.world_size):
-        shard = _written_shard(engine.optimizer.layout, rank)
-        ranges = {} if shard is None else owned_ranges(engine.optimizer.buckets, shard)
+    for rank in range(state.comm.world_size):
+        shard = _written_shard(state.optimizer.layout, rank)
+        ranges = {} if shard is None else owned_ranges(state.optimizer.buckets, shard)
         ranks[str(rank)] = {str(g): [[lo, hi] for lo, hi, _ in r] for g, r in ranges.items()}
     meta = {
         "format": FORMAT,
         "tag": tag,
-        "config": engine.config.to_dict(),
-        "world_size": engine.comm.world_size,
-        "stage": engine.config.zero.stage,
-        "compute_dtype": str(engine.config.compute_dtype).replace("torch.", ""),
+        "config": state.config.to_dict(),
+        "world_size": state.comm.world_size,
+        "stage": state.config.zero.stage,
+        "compute_dtype": str(state.config.compute_dtype).replace("torch.", ""),
         "groups": [
             [{"name": s.name, "shape": list(s.shape)} for s in slots]
-            for slots in _group_slots(engine)
+            for slots in _group_slots(state)
         ],
-        "ties": _ties(engine.module, left_out),
+        "ties": _ties(state.module, left_out),
         "ranks": ranks,
-        "optimizer": optimizer_name(engine.optimizer.optimizer),
-        "sharded_state": _sharded_state_keys(engine),
-        "scalar_state": _scalar_state(engine),
+        "optimizer": optimizer_name(state.optimizer.optimizer),
+        "sharded_state": _sharded_state_keys(state),
+        "scalar_state": _scalar_state(state),
         "param_groups": _jsonable(groups),
-        "counters": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps,
-            "micro_steps": engine.micro_steps,
-        },
-        "loss_scaler": engine.scaler.state_dict(),
+        "counters": state.counters.state_dict(),
+        "loss_scaler": state.scaler.state_dict(),
         "lr_scheduler": scheduler_state,
         "client_state": client_state,
         "files": files,
         "crc32": crcs,
-        "frozen": [name for name, param in _frozen_params(engine) if id(param) not in left_out],
+        "frozen": [name for name, param in _frozen_params(state) if id(param) not in left_out],
         "at_accumulation_boundary": True,  # save refused otherwise
     }
     if excluded is not None:
@@ -382,11 +394,11 @@ def _meta(
     return meta
 
 
-def _frozen_params(engine) -> list[tuple[str, object]]:
+def _frozen_params(state) -> list[tuple[str, object]]:
     """(first name, parameter) of each frozen parameter (requires_grad=False), each once: those
     ZeRO does not lay out as trained, which module.safetensors holds unless left out."""
-    laid_out, seen, frozen = _laid_out_ids(engine), set(), []
-    for name, param in engine.module.named_parameters(remove_duplicate=False):
+    laid_out, seen, frozen = _laid_out_ids(state), set(), []
+    for name, param in state.module.named_parameters(remove_duplicate=False):
         if id(param) in laid_out or id(param) in seen:
             continue
         seen.add(id(param))
@@ -410,13 +422,13 @@ def _ties(module, excluded_ids=frozenset()) -> dict[str, str]:
     return ties
 
 
-def _scalar_state(engine) -> dict:
+def _scalar_state(state) -> dict:
     """Per param group, the optimizer state that is not per element (Adam's step count)."""
     out = {}
-    state = engine.optimizer.optimizer.state
-    for bucket in engine.optimizer.buckets:
+    opt_state = state.optimizer.optimizer.state
+    for bucket in state.optimizer.buckets:
         group = str(bucket.layout.group)
-        for key, value in state.get(bucket.master, {}).items():
+        for key, value in opt_state.get(bucket.master, {}).items():
             if torch.is_tensor(value) and value.dim() == 0:
                 out.setdefault(group, {})[key] = {"tensor": str(value.dtype), "value": value.item()}
             elif not torch.is_tensor(value):

@@ -1,0 +1,13 @@
+"""zero.engine: the Engine zero.initialize returns, and how it is put together.
+
+    engine.py             Engine: holds the parts, runs forward, backward and step through them
+    builder.py            config in, parts out (layout, optimizer, fetch units, buckets, ...)
+    guards.py             misuse checks on the model, its parameters and the training calls
+    deepspeed_queries.py  DeepSpeed's getters (a mixin of Engine)
+    generation.py         engine.generate at stage 3
+May import every subpackage below it (.importlinter).
+"""
+
+from .engine import Engine, Phase
+
+__all__ = ["Engine", "Phase"]
