@@ -12,13 +12,12 @@ engine.step(): a backward inside engine.no_sync(), and one after
 engine.set_gradient_accumulation_boundary(False); the next backward then starts the next
 micro-batch.
 
-Elsewhere: construction (builder.py), misuse checks (guards.py), DeepSpeed's getters
-(deepspeed_queries.py), generation (generation.py); checkpoints and exports read the training
-state (state.py) in checkpoint/.
+Elsewhere: construction (builder.py), misuse checks (guards.py), DeepSpeed's getters and
+fallthrough (deepspeed_api.py), generation (generation.py); checkpoints and exports read the
+training state (state.py) in checkpoint/.
 """
 
 import contextlib
-import enum
 import gc
 import logging
 import os
@@ -35,18 +34,13 @@ from ..partition import gathered
 from ..partition.stage3 import UnitState
 from ..state import StepCounters, TrainingState
 from . import builder, generation, guards
-from .deepspeed_queries import DeepSpeedQueries
+from .deepspeed_api import DeepSpeedAPI
+from .phase import Phase
 
 logger = logging.getLogger("zero")
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-class Engine(DeepSpeedQueries, torch.nn.Module):
+class Engine(DeepSpeedAPI, torch.nn.Module):
     """A model trained with ZeRO stage 0, 1, 2 or 3 over one data-parallel group, or, built
     without an optimizer, run for forward, evaluation and generation only (ZeRO-Inference,
     [Note: ZeRO-Inference] in partition/stages.py; `inference_only`).
@@ -308,42 +302,6 @@ class Engine(DeepSpeedQueries, torch.nn.Module):
             )
         self._boundary = is_boundary
 
-    def allreduce_gradients(self, bucket_size: int = 500_000_000) -> None:
-        """DeepSpeed's engine.allreduce_gradients(bucket_size): reduce the micro-batch's gradients
-        over the data-parallel ranks. zero reduces them inside engine.backward() (stages 2-3
-        every micro-batch, stages 0-1 at the accumulation boundary; [Note: gradient lifetime]
-        in partition/stages.py), so after a backward there is nothing left to reduce and this
-        returns without communicating: a DeepSpeed script that calls it after backward trains
-        as it did there, and no gradient is reduced twice. `bucket_size` (elements, DeepSpeed's
-        default 5e8) must be a positive int; zero's buckets follow
-        zero_optimization.reduce_bucket_size instead.
-
-        Not a collective in zero. Raises RuntimeError without a backward for the current
-        micro-batch (there is no gradient to reduce), inside engine.no_sync() (the first
-        backward after the context reduces the accumulated gradients), and after destroy();
-        TypeError / ValueError for a bucket_size that is not a positive int."""
-        self._refuse_closed("allreduce_gradients")
-        guards.refuse_without_optimizer(self.optimizer, "engine.allreduce_gradients()")
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
-            raise TypeError(f"allreduce_gradients: bucket_size={bucket_size!r} is not an int")
-        if bucket_size <= 0:
-            raise ValueError(
-                f"allreduce_gradients: bucket_size={bucket_size} must be a positive number of "
-                "elements"
-            )
-        if self._no_sync:
-            raise RuntimeError(
-                f"rank {self.comm.rank}: engine.allreduce_gradients() inside engine.no_sync(); "
-                "zero reduces the gradients accumulated there in the first backward after the "
-                "context: leave the context instead"
-            )
-        if self.phase is not Phase.BACKWARD:
-            raise RuntimeError(
-                f"rank {self.comm.rank}: engine.allreduce_gradients() called without "
-                "engine.backward() for this micro-batch; call it after backward (where zero "
-                "has already reduced the gradients), or drop the call"
-            )
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """DeepSpeed's engine.zero_grad(): clear the .grad of the model's parameters. Under zero
         they hold none (gradients go into zero's buckets during backward, [Note: gradient
@@ -398,11 +356,6 @@ class Engine(DeepSpeedQueries, torch.nn.Module):
         exclude = bool(exclude_frozen_parameters)
         gather = self.parts.state_dict_gather
         return checkpoint.consolidated_16bit_state_dict(self.state, gather, exclude)
-
-    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        """DeepSpeed's name for the same state dict (it also covers AutoTP, which zero refuses):
-        _zero3_consolidated_16bit_state_dict. Collective."""
-        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> str | None:
         """Write the full model in the compute dtype as one safetensors file from rank 0;
@@ -570,10 +523,6 @@ class Engine(DeepSpeedQueries, torch.nn.Module):
         gathered.unregister(self.optimizer)
         self.monitor.close()
 
-    def destroy(self) -> None:
-        """DeepSpeed's engine.destroy(): see close(), which it calls. Not a collective."""
-        self.close()
-
     def compile(
         self,
         backend="inductor",
@@ -628,31 +577,6 @@ class Engine(DeepSpeedQueries, torch.nn.Module):
             )
         synced = self.gatherer is not None and self.comm.world_size > 1
         return generation.generate(self.module, synced, args, kwargs)
-
-    def __getattr__(self, name: str):
-        """DeepSpeed's fallthrough (DeepSpeedEngine.__getattr__): a name that neither the
-        engine nor nn.Module's own lookup (parameters, buffers, submodules such as
-        engine.module) finds is looked up on the wrapped model, so
-        engine.gradient_checkpointing_enable() or engine.generate(...) reach it. The engine's
-        own attributes win (engine.config is zero's Config, not the model's config); names the
-        engine's class defines (a property that raised AttributeError) and dunder names never
-        fall through. Raises AttributeError when the model lacks the name too."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError as error:
-            missing = error
-        modules = self.__dict__.get("_modules")  # absent early in __init__: no recursion
-        module = modules.get("module") if modules is not None else None
-        dunder = name.startswith("__") and name.endswith("__")
-        if module is None or dunder or hasattr(type(self), name):
-            raise missing
-        try:
-            return getattr(module, name)
-        except AttributeError:
-            raise AttributeError(
-                f"'{type(self).__name__}' object has no attribute '{name}', nor has its model "
-                f"({type(module).__name__})"
-            ) from None
 
 
 def _cast_floats(obj, dtype):

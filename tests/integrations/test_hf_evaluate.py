@@ -70,7 +70,7 @@ def test_trainer_evaluates_and_predicts_at_stage3_offload_like_plain_torch(model
     (tmp_path / "plain").mkdir()
     got, logits = evaluate(model_dir, tmp_path / "zero", "--deepspeed", str(config), ranks=2)
     want, want_logits = evaluate(model_dir, tmp_path / "plain", ranks=1)
-    assert got["engine"] == "zero.engine"  # the doorway's deepspeed.initialize built it
+    assert got["engine"].startswith("zero.engine")  # the doorway's deepspeed.initialize built it
     assert want["engine"].startswith("transformers.")
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-6)
     assert got["test_loss"] == pytest.approx(want["test_loss"], abs=1e-6)

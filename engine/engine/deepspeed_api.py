@@ -1,5 +1,7 @@
-"""DeepSpeed's queries on its engine, which training scripts and libraries call: one small mixin
-of the Engine, each answer read from the config, the communicator or a part the engine holds.
+"""DeepSpeed's engine API that zero answers without work of its own: one small mixin of the
+Engine. Getters (each answer read from the config, the communicator or a part the engine holds),
+DeepSpeed's aliases (destroy, _consolidated_16bit_state_dict), allreduce_gradients (zero reduced
+in backward already) and the fallthrough to the wrapped model (__getattr__).
 
 The step counters (`global_steps`, `global_samples`, `skipped_steps`, `micro_steps`) and
 `training_dataloader` are views of the training state (state.py), which checkpoints save and
@@ -10,6 +12,9 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from . import guards
+from .phase import Phase
 
 
 def _counter(name: str, doc: str) -> property:
@@ -22,9 +27,9 @@ def _counter(name: str, doc: str) -> property:
     return property(get, set_, doc=doc)
 
 
-class DeepSpeedQueries:
-    """Mixin of zero.engine.Engine: DeepSpeed's getters (DeepSpeedEngine's names). Not
-    collectives."""
+class DeepSpeedAPI:
+    """Mixin of zero.engine.Engine: DeepSpeedEngine's getters and aliases. Not collectives
+    unless said."""
 
     global_steps = _counter("global_steps", "Optimizer steps taken, skipped ones included.")
     global_samples = _counter("global_samples", "Samples trained on: train_batch_size per step.")
@@ -156,3 +161,73 @@ class DeepSpeedQueries:
         """True for an engine built without an optimizer (ZeRO-Inference: forward, evaluation
         and generation; backward() and step() raise), see _optimizer_or_none."""
         return not self.optimizer.trains
+
+    def destroy(self) -> None:
+        """DeepSpeed's engine.destroy(): see close(), which it calls. Not a collective."""
+        self.close()
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """DeepSpeed's name for the same state dict (it also covers AutoTP, which zero refuses):
+        _zero3_consolidated_16bit_state_dict. Collective."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+    def allreduce_gradients(self, bucket_size: int = 500_000_000) -> None:
+        """DeepSpeed's engine.allreduce_gradients(bucket_size): reduce the micro-batch's gradients
+        over the data-parallel ranks. zero reduces them inside engine.backward() (stages 2-3
+        every micro-batch, stages 0-1 at the accumulation boundary; [Note: gradient lifetime]
+        in partition/stages.py), so after a backward there is nothing left to reduce and this
+        returns without communicating: a DeepSpeed script that calls it after backward trains
+        as it did there, and no gradient is reduced twice. `bucket_size` (elements, DeepSpeed's
+        default 5e8) must be a positive int; zero's buckets follow
+        zero_optimization.reduce_bucket_size instead.
+
+        Not a collective in zero. Raises RuntimeError without a backward for the current
+        micro-batch (there is no gradient to reduce), inside engine.no_sync() (the first
+        backward after the context reduces the accumulated gradients), and after destroy();
+        TypeError / ValueError for a bucket_size that is not a positive int."""
+        self._refuse_closed("allreduce_gradients")
+        guards.refuse_without_optimizer(self.optimizer, "engine.allreduce_gradients()")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
+            raise TypeError(f"allreduce_gradients: bucket_size={bucket_size!r} is not an int")
+        if bucket_size <= 0:
+            raise ValueError(
+                f"allreduce_gradients: bucket_size={bucket_size} must be a positive number of "
+                "elements"
+            )
+        if self._no_sync:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.allreduce_gradients() inside engine.no_sync(); "
+                "zero reduces the gradients accumulated there in the first backward after the "
+                "context: leave the context instead"
+            )
+        if self.phase is not Phase.BACKWARD:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.allreduce_gradients() called without "
+                "engine.backward() for this micro-batch; call it after backward (where zero "
+                "has already reduced the gradients), or drop the call"
+            )
+
+    def __getattr__(self, name: str):
+        """DeepSpeed's fallthrough (DeepSpeedEngine.__getattr__): a name that neither the
+        engine nor nn.Module's own lookup (parameters, buffers, submodules such as
+        engine.module) finds is looked up on the wrapped model, so
+        engine.gradient_checkpointing_enable() or engine.generate(...) reach it. The engine's
+        own attributes win (engine.config is zero's Config, not the model's config); names the
+        engine's class defines (a property that raised AttributeError) and dunder names never
+        fall through. Raises AttributeError when the model lacks the name too."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            missing = error
+        modules = self.__dict__.get("_modules")  # absent early in __init__: no recursion
+        module = modules.get("module") if modules is not None else None
+        dunder = name.startswith("__") and name.endswith("__")
+        if module is None or dunder or hasattr(type(self), name):
+            raise missing
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}', nor has its model "
+                f"({type(module).__name__})"
+            ) from None
