@@ -278,8 +278,9 @@ class GroupReader:
 
 # ----- load -----------------------------------------------------------------------------------
 def load(state, load_dir, tag, strict, load_optimizer, load_scheduler, module_only):
-    """Read a checkpoint into the engine; see Engine.load_checkpoint. Everything is verified on
-    every rank (and the ranks agree on it) before any engine state changes."""
+    """Read a checkpoint into the training state `state` (state.TrainingState); see
+    Engine.load_checkpoint. Everything is verified on every rank (and the ranks agree on it)
+    before any part of the state changes."""
     load_optimizer = load_optimizer and not module_only
     load_scheduler = load_scheduler and not module_only
     loading = (load_optimizer, load_scheduler, module_only)

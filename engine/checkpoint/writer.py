@@ -52,7 +52,8 @@ def save(
     save_latest: bool,
     exclude_frozen: bool = False,
 ) -> str:
-    """Write a checkpoint; see Engine.save_checkpoint. Returns the checkpoint directory.
+    """Write a checkpoint of the training state `state` (state.TrainingState); see
+    Engine.save_checkpoint. Returns the checkpoint directory.
 
     `exclude_frozen` leaves the frozen parameters (requires_grad=False) out of module.safetensors
     and lists their names in meta.json's `excluded_frozen` ([Note: frozen parameters left out]).

@@ -250,7 +250,7 @@ class ZeroConfig(_Block):
     save_muon_momentum_buffer_in_memory: bool = Field(
         False, description="DeepSpeed: keep Muon momentum in memory under nvme offload."
     )
-    # Acted on (engine.py, _leaf_classes and _mark_leaf_names), unlike the switches above.
+    # Acted on (engine/guards.py, leaf_classes and mark_leaf_names), unlike the switches above.
     leaf_module: LeafModuleConfig | None = Field(
         None,
         description="Modules fetched as one stage-3 unit: classes (added to "
