@@ -1,7 +1,7 @@
 """The module hooks of stage 3's fetch units: a unit's forward gathers it and its end releases it
 (or keeps it for backward), the first gradient at its outputs gathers it for backward, and the
 gradients of its inputs say that its backward is over. The outermost forward of any module of
-the model runs under UsageGuard (usage_guard.py). [Note: parameter lifecycle] in gatherer.py
+the model runs under UsageGuard (usage_guard.py). [Note: parameter lifecycle] in units.py
 tells the whole story.
 """
 
@@ -43,7 +43,7 @@ class UnitHooks:
         it or the script did: engine.module(...), each step of Hugging Face's generate(); or a
         submodule's called on its own, as generate() calls an encoder) starts UsageGuard, so a
         tied weight used outside its unit's forward is gathered either way ([Note: parameter
-        lifecycle] in gatherer.py), and reads whether it runs in a decoding loop ([Note:
+        lifecycle] in units.py), and reads whether it runs in a decoding loop ([Note:
         generation] in usage_guard.py)."""
         if "parametrizations" in module._modules:
             self._accept_parametrized(module)

@@ -7,6 +7,32 @@ number at most `threshold` elements, whose class is listed in stage3_module_clas
 no children becomes one unit; a larger module recurses into its children, and its own direct
 parameters form a unit of their own. Each unit's parameters are laid out together (FlatLayout
 closes a bucket at every unit boundary), so gathering a unit is one all-gather per bucket.
+
+[Note: parameter lifecycle]
+A unit is SHARDED (each rank holds its 1/N slice; the module's parameters are 0-element
+placeholders) or GATHERED (full parameters in a transient buffer). It is gathered by a forward
+pre-hook, released by the forward hook, gathered again when the first gradient reaches its
+outputs (a multi-grad hook registered during forward). In backward a trainable bucket is
+released once every parameter of it has its gradient (the gradient is then in the
+reduce-scatter buffer), and the unit's frozen buckets once its backward is over ([Note: frozen
+weights in backward] in gatherer.py). A forward that runs inside backward (an
+activation-checkpoint recomputation) keeps its units gathered (its saved tensors are used at
+once, and backward releases the units) and is not recorded as forward order. An in-place write
+to a gathered parameter that a release would lose raises instead
+(ParamGatherer._check_not_modified). A parameter used
+outside its unit's forward (a tied lm_head weight, `h @ embed.weight.T` in a parent's forward) is
+caught by UsageGuard, a TorchFunctionMode active during the outermost forward of any module of the
+model: the root's (engine(...), engine.module(...), each step of generate()) or a submodule's
+called on its own (generate() runs an encoder-decoder's encoder directly, whose embedding is
+tied to `shared.weight`). It gathers the parameter's unit on the spot; a unit with trainable
+parameters is pinned, so it stays gathered until the end of backward (of the outermost
+forward, when none follows), where their gradients arrive; a frozen one goes with its own
+forward's release, or with the end of the outermost forward or of backward. Gathering stays
+per fetch unit. Reading a placeholder's dtype, device or requires_grad gathers nothing, and a
+parametrization's no-op set_() is not a write ([Note: parametrized parameters] in
+unit_hooks.py). Every batch of all-gathers is checked across ranks first (comm.Agreement): a
+rank that runs a module another rank skips makes every rank raise before the collectives
+differ (see docs/stages.md).
 """
 
 import enum

@@ -50,7 +50,7 @@ class UsageGuard(TorchFunctionMode):
                 self.gatherer.fetch(unit)
                 # A trainable parameter's gradient reaches its unit in backward; a frozen unit
                 # goes with its own forward's release, the end of a forward without backward,
-                # or the end of backward ([Note: parameter lifecycle] in gatherer.py).
+                # or the end of backward ([Note: parameter lifecycle] in units.py).
                 unit.pinned = unit.pinned or not unit.frozen
         return func(*args, **kwargs)
 
