@@ -11,7 +11,7 @@ graph break. The parameters are views of zero's flat buffers whose storage the o
 updates in place, so no step changes what the graph's guards check (no recompile per step).
 
 Stage 3 compiles each block's forward separately, as torchtitan compiles each FSDP2 block. A
-block is the module of a stage-3 fetch unit ([Note: fetch units] in partition/stage3.py) with no
+block is the module of a stage-3 fetch unit ([Note: fetch units] in partition/units.py) with no
 other unit's module below it, all of whose parameters belong to its own unit or to the
 persistent one (blocks()); gathering and releasing happen in the unit's forward pre- and
 post-hooks, which run eagerly around the compiled forward (nn.Module.compile() would compile
@@ -21,7 +21,8 @@ persist, or that is one unit, compiles whole. Three things keep a block's graph 
 - A gathered parameter has its full shape, dtype and strides on every call; the storage differs
   from call to call (a new gathered buffer), which no guard checks: no recompile per step.
   The graph's saved weights go through the engine's saved-tensor hooks ([Note: saved weights]
-  in partition/stage3.py), so the compiled backward reads the parameters gathered again for it.
+  in partition/saved_weights.py), so the compiled backward reads the parameters gathered again
+  for it.
 - UsageGuard, zero's torch-function mode that gathers a parameter used outside its unit, is
   taken off the mode stack while a block's compiled forward runs: every parameter a block uses
   is gathered by its own unit's pre-hook, and Dynamo would otherwise trace the mode into every op.
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .partition.stage3 import UsageGuard
+from .partition.usage_guard import UsageGuard
 
 logger = logging.getLogger("zero")
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .checkpoint import zero_to_fp32
 from .partition import gathered
-from .partition.stage3 import _LEAF_MODULES, is_leaf
+from .partition.units import _LEAF_MODULES, is_leaf
 
 # `from zero.utils.zero_to_fp32 import ...` (DeepSpeed: deepspeed.utils.zero_to_fp32) finds the
 # module checkpoint/zero_to_fp32.py, as `import os.path` finds posixpath: zero.utils is one module,

@@ -9,8 +9,8 @@ is the type of the ds_status attribute zero sets on partitioned parameters
 DeepSpeed's stage 3 gathers a module's parameters around that module's forward only, so a
 parameter used in another module's forward (a tied lm_head weight, `h @ embed.weight.T` in a
 parent) must be registered on the module that uses it. zero's stage 3 needs no registration:
-while the model's forward runs, UsageGuard (engine/partition/stage3.py) sees every op that uses a
-released parameter, gathers its fetch unit there and keeps it until the end of backward. So
+while the model's forward runs, UsageGuard (engine/partition/usage_guard.py) sees every op that
+uses a released parameter, gathers its fetch unit there and keeps it until the end of backward. So
 register_external_parameter only checks its arguments (a script's mistake stays visible) and
 remembers the pair, so unregister_external_parameter can be checked as DeepSpeed checks it.
 """

@@ -49,8 +49,8 @@ import torch
 from ..errors import listed
 from ..partition.gathered import laid_out_buckets, owner
 from ..partition.init import is_partitioned, own_ops
-from ..partition.stage3 import UnitState
 from ..partition.stages import ZeroOptimizer
+from ..partition.units import UnitState
 from ..progress import progress
 from .agreement import enter
 from .consolidation import ConsolidatedReader

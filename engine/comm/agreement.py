@@ -79,7 +79,7 @@ class Agreement:
     out the timeout in normal use is kept from happening: transformers' decoding loop, whose
     ranks finish at different steps, runs with synced_gpus=True (engine.generate), or raises on
     every rank before its first all-gather when it does not ([Note: generation] in
-    partition/stage3.py); state_dict() inside zero.GatheredParameters, which one rank calls
+    partition/usage_guard.py); state_dict() inside zero.GatheredParameters, which one rank calls
     alone to save an adapter, communicates nothing. A check that times out before a stage-3
     all-gather says how a rank leaves such a loop early.
 

@@ -43,7 +43,8 @@ class CommLedger:
     # communication that did not overlap compute (monitor.py, [Note: step-time breakdown]).
     waited: dict[str, float] = field(default_factory=dict)
     # Elements stage 3 did not all-gather in backward because their unit stayed gathered from its
-    # forward ([Note: reuse distance] in partition/stage3.py): this step's, and the previous step's.
+    # forward ([Note: reuse distance] in partition/gatherer.py): this step's, and the previous
+    # step's.
     kept: int = 0
     last_kept: int = 0
     # Elements stage 3 all-gathered for frozen parameters (not in Psi, which counts trainable

@@ -23,11 +23,13 @@ from ..optim.lr_schedules import build_scheduler
 from ..optim.precision import LossScaler
 from ..partition import gathered, zeropp
 from ..partition.flat import FlatLayout
+from ..partition.frozen_shards import FrozenShards
+from ..partition.gatherer import ParamGatherer
 from ..partition.hierarchy import num_shards, partition_groups
 from ..partition.init import full_numel, is_partitioned, name_full_size, refuse_meta, take_full
-from ..partition.stage3 import FrozenShards, ParamGatherer, choose_units, persistent_unit
 from ..partition.stages import NoOptimizer, ReduceSettings, ZeroOptimizer, check_optimizer
 from ..partition.state_dict_gather import StateDictGather
+from ..partition.units import choose_units, persistent_unit
 from ..planning.budget import bucket_settings, fetch_settings
 from ..planning.memory import state_bytes_per_element
 from . import guards

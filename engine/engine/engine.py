@@ -31,7 +31,7 @@ from ..checkpoint.periodic import resume_latest
 from ..comm import Communicator
 from ..compiler import compile_model
 from ..partition import gathered
-from ..partition.stage3 import UnitState
+from ..partition.units import UnitState
 from ..state import StepCounters, TrainingState
 from . import builder, generation, guards
 from .deepspeed_api import DeepSpeedAPI
@@ -188,7 +188,7 @@ class Engine(DeepSpeedAPI, torch.nn.Module):
         self.monitor.record_loss(loss)
         # Stage 3: a reentrant activation-checkpoint recomputation runs its forward inside this
         # backward; zero's saved-tensor hooks make it save gathered weights by reference too
-        # ([Note: saved weights] in engine/partition/stage3.py).
+        # ([Note: saved weights] in engine/partition/saved_weights.py).
         saved = self.gatherer.saved_weights() if self.gatherer else contextlib.nullcontext()
         with self.monitor.timer("backward"), saved:
             try:

@@ -8,7 +8,7 @@ until every rank has. Hugging Face's generate() does that with synced_gpus=True,
 transformers turns on by itself only under DeepSpeed's HfDeepSpeedConfig; zero passes it
 unless the caller did (a model's generate() that cannot take it is left alone). An explicit
 synced_gpus=False at stage 3 is refused by the ParamGatherer at the first unsynced step
-(partition/stage3.py).
+(partition/usage_guard.py).
 """
 
 import inspect

@@ -20,8 +20,9 @@ from ..compiler import refuse_compiled_model
 from ..errors import listed
 from ..partition.init import full_numel, full_shape, is_partitioned
 from ..partition.shared import changed_parameter
-from ..partition.stage3 import is_leaf, mark_leaf, unmanaged_parameter
 from ..partition.stages import trained_by
+from ..partition.units import is_leaf, mark_leaf
+from ..partition.usage_guard import unmanaged_parameter
 
 logger = logging.getLogger("zero")
 

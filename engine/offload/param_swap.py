@@ -20,7 +20,7 @@ min(buffer_size, the largest swapped shard) elements; a shard larger than buffer
 error at initialize naming offload_param.buffer_size (the layout caps buckets so that only a
 single parameter larger than buffer_size * world size can make one). The gatherer reads the
 shards of the units that come next in its recorded order into free buffers (read ahead,
-stage3.ParamGatherer._read_ahead); a bucket's all-gather takes its shard with acquire() (waiting
+gatherer.ParamGatherer._read_ahead); a bucket's all-gather takes its shard with acquire() (waiting
 for the read, or reading now) and gives the buffer back once the all-gather has finished. A
 shard needed when no buffer is free takes, in this order: a buffer whose write finished, a new
 one (up to buffer_count), one whose write is waited for, the read ahead furthest away; failing

@@ -13,11 +13,11 @@ set on every parameter they partition (deepspeed.runtime.zero.partition_paramete
 DeepSpeed-Chat saves a stage-3 model with `if hasattr(v, "ds_id")` and gathers the parameters
 whose `ds_status == NOT_AVAILABLE`; TRL reads `p.ds_status != ZeroParamStatus.AVAILABLE`; peft
 and transformers read `ds_numel` when `numel()` is 0. zero sets them on every parameter of a
-stage-3 engine's model (stage3.py) and on every parameter built inside zero.Init (init.py), and
+stage-3 engine's model (gatherer.py) and on every parameter built inside zero.Init (init.py), and
 on none at stages 0-2 (as DeepSpeed).
 
 [Note: attributes are views]
-The state itself lives on zero's objects (stage3.Unit and its buckets, init.InitShard); the
+The state itself lives on zero's objects (units.Unit and its buckets, init.InitShard); the
 attributes are written only where that state changes (Unit's transitions, InitShard's), through
 set_status() and set_tensor() here, so they never drift from it. ds_tensor is a view of zero's
 shard, never a copy. Each parameter zero describes also carries a ZeroMark (attribute MARK),

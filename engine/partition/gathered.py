@@ -19,7 +19,7 @@ import zlib
 import torch
 
 from .init import hold, is_partitioned, unhold
-from .stage3 import UnitState
+from .units import UnitState
 
 # id(param) -> the ZeroOptimizer that lays it out (weak, so engines can be garbage collected).
 _OWNER: dict[int, weakref.ref] = {}

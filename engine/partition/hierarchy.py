@@ -33,7 +33,7 @@ zero_optimization.zero_hpz_partition_size = k, stage 3): the primary partition s
 ranks, and each rank also keeps a secondary copy of the parameters partitioned over its group of
 k consecutive ranks (ranks i*k .. i*k+k-1, a node when k = ranks per node): 1/k of each unit,
 taken from the forward all-gather's result. The backward all-gather of a unit then reads the
-secondary shards over the k-rank group only (stage3.py, ParamGatherer). Per step the forward
+secondary shards over the k-rank group only (gatherer.py, ParamGatherer). Per step the forward
 all-gather and the reduce-scatter still move Psi each over all N ranks; the backward Psi stays
 within the node. The secondary copy costs Psi/k elements of the compute dtype per rank (2 Psi/k
 bytes in bf16), kept from the first forward on (engine.model_state_bytes()["secondary_params"]).

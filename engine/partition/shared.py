@@ -1,4 +1,4 @@
-"""What the stage 0-2 optimizer (stages.py) and stage 3's fetch units (stage3.py) both use: a
+"""What the stage 0-2 optimizer (stages.py) and stage 3's gatherer (gatherer.py) both use: a
 bucket's initial values, host copies of shards, the error for a failed stage-3 collective, and
 the check that the parameters still hold what zero put in them.
 

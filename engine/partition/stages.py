@@ -33,9 +33,10 @@ block, or a model none of whose parameters requires grad) trains nothing: its Ze
 wraps a NoOptimizer, lays out no bucket and so allocates no gradient buffer, fp32 master weight
 or optimizer state. The engine keeps every parameter as a frozen one: whole on every rank at
 stages 0-2 (stages 1 and 2 partition only optimizer state and gradients, which do not exist
-here, so they hold what stage 0 holds), and as 1/N shards (FrozenShards, stage3.py) at stage 3,
-in host memory or nvme files with offload_param. DeepSpeed builds its DeepSpeedZeRoOffload for
-stage 3 in this case and refuses stages 1 and 2 ("zero stage N requires an optimizer").
+here, so they hold what stage 0 holds), and as 1/N shards (FrozenShards, frozen_shards.py) at
+stage 3, in host memory or nvme files with offload_param. DeepSpeed builds its
+DeepSpeedZeRoOffload for stage 3 in this case and refuses stages 1 and 2 ("zero stage N requires
+an optimizer").
 
 [Note: launch order]
 Gradient hooks mark a bucket ready when every parameter in it has its gradient, but buckets are
@@ -190,7 +191,7 @@ class Bucket:
         self.shard = shard
         begin, end = layout.owned_range(shard)
         # Stages 0-2: a view of the persistent parameter buffer. Stage 3: its own storage; the
-        # full buffer exists only while the bucket's unit is gathered (stage3.py).
+        # full buffer exists only while the bucket's unit is gathered (gatherer.py).
         self.param_shard = param_buffer[begin:end]
         self.master = None
         self.host_grad = None  # offload: host copy of grad_shard the host optimizer reads
@@ -829,7 +830,7 @@ class ZeroOptimizer:
         zero writes new values into its buffers, not through the parameters, so it raises their
         version counters itself, and torch's own check raises in such a backward, as for a plain
         model. At stage 3, engine(...) saves weights by reference ([Note: saved weights] in
-        stage3.py), which torch does not version-check: each trainable bucket also counts the
+        saved_weights.py), which torch does not version-check: each trainable bucket also counts the
         writes to its shard (generation), and a reference from before a write raises when
         backward reads it. No device synchronization; O(number of parameters)."""
         trained = [p for bucket in self.buckets for p in bucket.params]

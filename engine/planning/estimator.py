@@ -174,7 +174,7 @@ def model_layout(model, num_shards: int, stage: int, options: Options) -> Layout
     """The exact LayoutSummary of `model` (may live on the meta device), one param group of its
     trainable parameters, laid out as the engine does (stage 3: its fetch units)."""
     from ..partition.flat import FlatLayout
-    from ..partition.stage3 import choose_units, persistent_unit
+    from ..partition.units import choose_units, persistent_unit
 
     units, unit_of = [], None
     if stage == 3:

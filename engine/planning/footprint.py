@@ -36,8 +36,8 @@ What zero allocates on top of model states (docs/memory.md), with P = padded Psi
   their accumulation buffer, a model state: nothing extra.
 - stage 3 gathered parameters: the persistent unit always; during forward and backward the unit
   in use plus up to stage3_prefetch_bucket_size elements prefetched, never more than the model.
-  The weights layers save for backward do not keep released units alive (engine/partition/stage3.py,
-  [Note: saved weights]).
+  The weights layers save for backward do not keep released units alive (engine/partition/
+  saved_weights.py, [Note: saved weights]).
 - gloo (CPU) copies the whole buffer of a reduce-scatter or all-gather while it runs; NCCL works
   in place.
 - the optimizer step: Adam's update makes temporaries of the shard's size (torch's per-tensor
@@ -190,7 +190,7 @@ def buffer_bytes(layout: LayoutSummary, settings: BufferSettings) -> dict[str, i
         sharded = layout.padded_numel - layout.persistent_numel
         largest = layout.unit_numels[0] if layout.unit_numels else 0
         # The units kept from their forward into backward ([Note: reuse distance] in
-        # partition/stage3.py): those with fewer than reuse_numel elements gathered after them,
+        # partition/gatherer.py): those with fewer than reuse_numel elements gathered after them,
         # twice the units that follow them in forward, so at most reuse_numel / 2 plus one unit.
         kept = st.reuse_numel // 2 + largest if st.reuse_numel > 0 else 0
         window = min(sharded, largest + st.prefetch_numel + kept)
