@@ -2,7 +2,9 @@
 
 The engine calls `timer(name)` around forward, backward and step and `on_step(engine)` once per
 optimizer step (after the comm ledger closed the step). Everything here reads zero's counters;
-nothing here issues a collective.
+nothing here issues a collective. Observers the engine adds to `StepMonitor.observers` (the
+FLOPs profiler's StepProfile, profiling/flops_profiler.py) see the same calls: each is entered
+as `observer.phase(name)` inside the timer and gets `observer.on_step(engine)` last.
 
 [Note: step-time breakdown]
 With wall_clock_breakdown the step time is split into forward, backward, reduce, all_gather and
@@ -355,6 +357,7 @@ class StepMonitor:
                 self.writers.append(
                     TensorBoardWriter(config.tensorboard.output_path, config.tensorboard.job_name)
                 )
+        self.observers = []  # objects with phase(name) (a context manager) and on_step(engine)
         self._losses: list[torch.Tensor] = []
         self._last_boundary = time.perf_counter()
         self._memory_reported = False
@@ -368,8 +371,13 @@ class StepMonitor:
         if self.config.wall_clock_breakdown and comm.timing is None:
             comm.enable_timing()
 
+    @contextlib.contextmanager
     def timer(self, name: str):
-        return self.timers.time(name)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.timers.time(name))
+            for observer in self.observers:
+                stack.enter_context(observer.phase(name))
+            yield
 
     def close(self) -> None:
         """Close the monitors' open files (TensorBoard's event file); later events are not
@@ -436,6 +444,8 @@ class StepMonitor:
 
             self._memory_reported = True
             logger.info(format_report(engine.memory_report()))
+        for observer in self.observers:
+            observer.on_step(engine)
 
     def format_step(self, f: dict) -> str:
         parts = [f"step={f['step']}"]

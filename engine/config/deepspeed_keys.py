@@ -3,7 +3,8 @@
 Owns the rewrite of deprecated DeepSpeed names to current ones in raw data (each with a
 ``FutureWarning``, DeepSpeed's unprefixed names of the stage3_ keys included), keys DeepSpeed
 ignores in some settings (offload_param below stage 3, dropped with one ``UserWarning``) and the
-one ``UserWarning`` per accepted-but-unsupported block (amp, pipeline, ...) that is enabled.
+one ``UserWarning`` per enabled block of a subsystem zero ignores (pipeline, hybrid_engine, ...;
+subsystems.py says which blocks are refused instead).
 Warnings point at the first frame outside zero.config, the caller's code.
 """
 
@@ -12,24 +13,9 @@ import sys
 import warnings
 from typing import Any
 
+from . import subsystems
 from .errors import ConfigError, _show
 from .schema import Config
-
-# Blocks of DeepSpeed subsystems zero does not implement: accepted as free dicts so existing
-# files load, with one warning when a block says "enabled": true.
-UNSUPPORTED_BLOCKS = (
-    "amp",
-    "elasticity",
-    "autotuning",
-    "compression_training",
-    "data_efficiency",
-    "pipeline",
-    "sparse_attention",
-    "curriculum_learning",
-    "progressive_layer_drop",
-    "eigenvalue",
-    "hybrid_engine",
-)
 
 
 def _caller_stacklevel() -> int:
@@ -165,12 +151,14 @@ def _ignore_param_offload(config: Config, where: str, *, warn: bool) -> Config:
 
 
 def _warn_unsupported(config: Config, where: str) -> None:
-    for name in UNSUPPORTED_BLOCKS:
-        block = getattr(config, name)
-        if block is not None and block.get("enabled") is True:
+    """One UserWarning per switched-on block that zero ignores (the refused ones never get
+    here: Config refused them; [Note: enabled blocks zero does not implement])."""
+    for name, why in subsystems.WARNED.items():
+        key = subsystems.switch_key(name, getattr(config, name))
+        if key is not None:
             warnings.warn(
-                f"{where}'{name}' is enabled, but zero does not support this DeepSpeed "
-                "subsystem; the block is accepted and ignored.",
+                f"{where}{key} is true, but zero does not implement DeepSpeed's '{name}': "
+                f"{why}. The block is accepted and ignored.",
                 UserWarning,
                 stacklevel=_caller_stacklevel(),
             )

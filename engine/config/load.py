@@ -16,8 +16,9 @@
    the like, are errors unless at their defaults);
 5. derive the batch triple for the data-parallel world size (auto.py);
 6. drop zero_optimization.offload_param below stage 3, which DeepSpeed ignores there, with one
-   warning naming the key, and warn once per accepted-but-unsupported block (amp, pipeline,
-   ...; deepspeed_keys.py).
+   warning naming the key, and warn once per enabled block zero ignores (pipeline, ...;
+   deepspeed_keys.py). Enabled blocks that would change training (amp, elasticity, ...) are
+   refused at step 4 (subsystems.py).
 """
 
 import logging
@@ -133,7 +134,7 @@ def settings_without_effect(config: Config, *, model_parallel_world_size: int) -
 
     zero.initialize logs them once at INFO (shown on rank 0): settings that are inert because
     of how the run is set up, and switches of DeepSpeed features zero does not have that a user
-    would otherwise wait for (wandb, the FLOPs profiler, gradient pre-division).
+    would otherwise wait for (wandb, comet, gradient pre-division).
 
     Args:
         config: a loaded config.
@@ -162,11 +163,6 @@ def settings_without_effect(config: Config, *, model_parallel_world_size: int) -
         lines.append(
             "comet.enabled: zero does not log to Comet; its step metrics go to tensorboard or "
             "csv_monitor (docs/observability.md), or log engine values from the training script."
-        )
-    if config.flops_profiler.enabled:
-        lines.append(
-            "flops_profiler.enabled: zero has no per-module FLOPs profiler; its step line "
-            "reports tokens/s and model TFLOP/s every steps_per_print steps."
         )
     if config.aio.use_gds:
         lines.append(

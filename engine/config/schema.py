@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BeforeValidator, Field, PrivateAttr, field_validator, model_validator
 
+from . import subsystems
 from .errors import _cross, _not_implemented, _refused, _show
 from .values import (
     AnyDtype,
@@ -227,17 +228,24 @@ class CommsLoggerConfig(_Block):
 
 
 class FlopsProfilerConfig(_Block):
-    """DeepSpeed ``flops_profiler``."""
+    """DeepSpeed ``flops_profiler``: the FLOPs profiler's report at one step
+    (profiling/flops_profiler.py; docs/observability.md)."""
 
     enabled: bool = Field(False, description="Profile FLOPs, latency and parameters.")
     recompute_fwd_factor: Number = Field(
-        0.0, ge=0, description="Extra forward passes due to activation recomputation."
+        0.0,
+        ge=0,
+        description="Forward passes recomputed in backward (activation checkpointing: 1.0).",
     )
-    profile_step: Count = Field(1, description="Training step to profile.")
+    profile_step: CountOrZero = Field(
+        1,
+        description="Profile the step that starts after this many optimizer steps (1: after "
+        "one warm-up step).",
+    )
     module_depth: _whole(-1, "a depth, or -1 for all") = Field(
-        -1, description="Depth of the per-module report; -1 means all."
+        -1, description="Depths listed in the aggregated profile; -1 means all."
     )
-    top_modules: Count = Field(1, description="Number of top modules listed.")
+    top_modules: Count = Field(1, description="Modules listed per depth.")
     detailed: bool = Field(True, description="Print the per-module breakdown.")
     output_file: str | None = Field(None, description="Write the report here (default stdout).")
 
@@ -535,9 +543,17 @@ class CompileConfig(_Block):
         return sorted(k for k, f in fields if k not in read and getattr(self, k) != f.default)
 
 
-# Blocks of DeepSpeed subsystems zero does not implement (deepspeed_keys.py's UNSUPPORTED_BLOCKS):
-# accepted as free dicts so existing files load.
-_UNSUPPORTED_DESCRIPTION = "DeepSpeed subsystem not supported by zero; accepted and ignored."
+# Blocks of DeepSpeed subsystems zero does not implement (subsystems.py): accepted as free dicts
+# so existing files load; switched on, refused or warned ([Note: enabled blocks zero does not
+# implement]).
+_REFUSED_DESCRIPTION = "DeepSpeed subsystem zero does not implement; refused when enabled."
+_WARNED_DESCRIPTION = "DeepSpeed subsystem zero does not implement; ignored (a warning)."
+
+
+def _value_at(value, path: list[str]):
+    for part in path:
+        value = value[int(part)] if isinstance(value, (list, tuple)) else value[part]
+    return value
 
 
 class Config(_Block):
@@ -671,17 +687,17 @@ class Config(_Block):
     datastates_ckpt: FrozenDict | None = Field(
         None, description="DeepSpeed: DataStates asynchronous checkpointing engine."
     )
-    amp: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    elasticity: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    autotuning: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    compression_training: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    data_efficiency: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    pipeline: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    sparse_attention: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    curriculum_learning: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    progressive_layer_drop: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    eigenvalue: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
-    hybrid_engine: FrozenDict | None = Field(None, description=_UNSUPPORTED_DESCRIPTION)
+    amp: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
+    elasticity: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
+    autotuning: FrozenDict | None = Field(None, description=_WARNED_DESCRIPTION)
+    compression_training: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
+    data_efficiency: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
+    pipeline: FrozenDict | None = Field(None, description=_WARNED_DESCRIPTION)
+    sparse_attention: FrozenDict | None = Field(None, description=_WARNED_DESCRIPTION)
+    curriculum_learning: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
+    progressive_layer_drop: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
+    eigenvalue: FrozenDict | None = Field(None, description=_WARNED_DESCRIPTION)
+    hybrid_engine: FrozenDict | None = Field(None, description=_WARNED_DESCRIPTION)
     compile: CompileConfig | None = Field(
         None, description="engine.compile(): torch.compile settings (DeepSpeed's DeepCompile keys)."
     )
@@ -715,6 +731,11 @@ class Config(_Block):
                 "(AutoEP); ignoring it would replicate every expert, a different layout. "
                 'Remove the block or set "enabled": false.'
             )
+        for name, why in subsystems.REFUSED.items():
+            key = subsystems.switch_key(name, getattr(self, name))
+            if key is not None:
+                value = _value_at(getattr(self, name), key.split(".")[1:])
+                raise _not_implemented(f"{key} = {_show(value)}: {why}")
         return self
 
     @model_validator(mode="after")

@@ -32,6 +32,7 @@ from ..comm import Communicator
 from ..compiler import compile_model
 from ..partition import gathered
 from ..partition.units import UnitState
+from ..profiling import flops_profiler
 from ..state import StepCounters, TrainingState
 from . import builder, generation, guards
 from .deepspeed_api import DeepSpeedAPI
@@ -76,6 +77,7 @@ class Engine(DeepSpeedAPI, torch.nn.Module):
         self.fetch, self.bucket_sizes = parts.fetch, parts.bucket_sizes
         self.partition_groups, self.periodic = parts.partition_groups, parts.periodic
         self.monitor, self.tput_timer = parts.monitor, parts.tput_timer
+        self.flops_profiler = flops_profiler.attach(self)  # DeepSpeed's; None when off
         self.state = TrainingState(
             module=model,
             optimizer=parts.optimizer,

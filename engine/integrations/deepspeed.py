@@ -168,6 +168,13 @@ _ZERO_PARAMETERS = (
     "ZeroParamStatus",
 )
 
+_PROFILER = (
+    "FlopsProfiler",
+    "get_model_profile",
+    "DEFAULT_PRECISION",
+    *(f"{kind}_to_string" for kind in ("number", "macs", "flops", "bytes", "params", "duration")),
+)
+
 TABLE: dict[str, DeepSpeedModule] = {
     "deepspeed": DeepSpeedModule(
         "DeepSpeed's top-level names",
@@ -252,6 +259,13 @@ TABLE: dict[str, DeepSpeedModule] = {
     "deepspeed.launcher.runner": DeepSpeedModule(
         "DeepSpeed's launcher command (zero-as-deepspeed's `deepspeed` maps it onto zrun)",
         _from(__name__, "DEEPSPEED_ENVIRONMENT_NAME"),
+    ),
+    "deepspeed.profiling": DeepSpeedModule("DeepSpeed's profilers"),
+    "deepspeed.profiling.flops_profiler": DeepSpeedModule(
+        "DeepSpeed's FLOPs profiler", _from("zero.profiling.flops_profiler", *_PROFILER)
+    ),
+    "deepspeed.profiling.flops_profiler.profiler": DeepSpeedModule(
+        "DeepSpeed's FLOPs profiler", _from("zero.profiling.flops_profiler", *_PROFILER)
     ),
     "deepspeed.compression": DeepSpeedModule("DeepSpeed's model compression"),
     "deepspeed.compression.helper": DeepSpeedModule(
