@@ -316,3 +316,31 @@ def test_a_real_deepspeed_behind_an_editable_install_finder_is_found(tmp_path, m
     real = doorway.find_real_deepspeed(doorway.DOORWAY_DIR, [doorway.DOORWAY_DIR])
     assert real is not None and real.location == str(package)
     assert "runs in place of DeepSpeed" in doorway.shadow_message(real, doorway.DOORWAY_DIR)
+
+
+def test_enabled_blocks_that_change_training_are_refused_under_the_doorway():
+    """A DeepSpeed program asking for apex AMP (or elasticity, ...) must not train in fp32: the
+    doorway loads configs through zero's Config, which refuses them ([Note: enabled blocks zero
+    does not implement] in config/subsystems.py); a block that only observes still warns."""
+    code = """
+        import json, warnings, torch, deepspeed
+        config = {"train_micro_batch_size_per_gpu": 1,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        record = {}
+        for block in ("amp", "elasticity", "hybrid_engine"):
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    deepspeed.initialize(model=torch.nn.Linear(2, 2),
+                                         config={**config, block: {"enabled": True}})
+                said = [str(w.message) for w in seen if block in str(w.message)]
+                record[block] = ["warned", said]
+            except NotImplementedError as error:
+                record[block] = [type(error).__name__, str(error)]
+        print(json.dumps(record))
+    """
+    record = json.loads(run(DOORWAY, code).stdout.splitlines()[-1])
+    for block in ("amp", "elasticity"):
+        kind, message = record[block]
+        assert kind == "ConfigNotImplementedError" and f"{block}.enabled = true" in message
+    assert record["hybrid_engine"][0] == "warned" and len(record["hybrid_engine"][1]) == 1
