@@ -346,6 +346,9 @@ class StepMonitor:
         self.psi = psi
         self.device = device
         self.tokens_per_sample = 0  # set by the caller (see [Note: throughput])
+        # False: the script prints its own step line (examples/train.py prints format_step with
+        # the loss of the whole global batch); events, comms and memory reports still go.
+        self.step_log = True
         self.timers = Timers(sync=config.wall_clock_breakdown)
         self.writers = []
         if rank == 0:
@@ -405,6 +408,7 @@ class StepMonitor:
         self._last_boundary = now
         every = self.config.steps_per_print
         printing = bool(every) and engine.global_steps % every == 0 and self.rank == 0
+        printing = printing and self.step_log
         # Reading the loss waits for the device: only on steps that print or write events.
         wanted = self._losses and (printing or self.writers)
         loss = float(torch.stack(self._losses).float().mean()) if wanted else None
@@ -448,6 +452,9 @@ class StepMonitor:
             observer.on_step(engine)
 
     def format_step(self, f: dict) -> str:
+        """The step line of the figures `f` (self.last's keys): "step=10 loss=4.8747 lr=...".
+        The loss is this rank's mean over its micro-batches of the step unless the caller puts
+        another in `f`."""
         parts = [f"step={f['step']}"]
         if f["loss"] is not None:
             parts.append(f"loss={f['loss']:.4f}")

@@ -7,8 +7,9 @@ Checkpointing:    ... --config configs/zero2_activation_checkpointing.json
 
 The model is in gpt.py, the data in data.py; this file is only the loop. Batch size, gradient
 accumulation, optimizer, lr schedule, precision and ZeRO stage all come from the config.
-With a terminal attached, rank 0 shows a progress bar (loss and tokens/s of the last step);
-otherwise (CI, SLURM, a pipe) it prints a line every steps_per_print steps.
+Every steps_per_print steps rank 0 prints one line: the step's figures (lr, loss scale, grad
+norm, samples/s, tokens/s, TFLOP/s, memory) and its loss, the mean over the whole global batch
+(every rank's micro-batches). With a terminal attached a progress bar shows it too.
 """
 
 import argparse
@@ -83,46 +84,53 @@ def evaluate(engine, data: ByteDataset, num_batches: int, batch_size: int) -> fl
     return total / num_batches
 
 
+def global_batch_loss(step_losses: list[torch.Tensor]) -> float:
+    """The loss the optimizer step trained on: the mean over every rank's micro-batches of the
+    global batch (each micro-batch's loss is a mean over the same number of tokens, and the
+    step's gradient is the mean of theirs). Every rank must call it (one all-reduce); with
+    --mp the model-parallel ranks hold the same loss, so the mean over all ranks is the mean
+    over the data-parallel ones."""
+    loss = torch.stack(step_losses).float().mean()
+    if dist.is_initialized():
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    return loss.item()
+
+
 def train_steps(engine, data, args, tokens_per_step: int, rank: int) -> float:
-    """args.steps optimizer steps; returns the mean loss of the last logged window. A bar
-    (rank 0 with a terminal) shows each step's loss and tokens/s, at the cost of one device sync
-    per step; otherwise losses stay on the device until a print, one sync per steps_per_print."""
+    """args.steps optimizer steps; returns the loss of the last logged step (global batch).
+    Every steps_per_print steps rank 0 prints one line: the engine's step figures with the
+    global batch's loss (the engine's own line, which has only rank 0's loss, is off). A bar
+    (rank 0 with a terminal) shows the last printed loss and each step's tokens/s."""
     micro_batch = engine.config.train_micro_batch_size_per_gpu
     accumulation = engine.config.gradient_accumulation_steps
-    print_every = engine.config.steps_per_print
+    print_every = engine.config.steps_per_print or args.steps
+    engine.monitor.step_log = False  # this loop prints the step line
     bar = progress(total=args.steps, desc="train", rank=rank, unit="step", leave=True)
-    window_losses, train_loss = [], float("nan")
-    window_start = step_start = time.perf_counter()
+    train_loss = float("nan")
+    step_start = time.perf_counter()
     for step in range(1, args.steps + 1):
+        step_losses = []
         for _ in range(accumulation):
             x, y = data.get_batch("train", micro_batch, engine.device)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()  # acts only at the accumulation boundary
-            window_losses.append(loss.detach())
+            step_losses.append(loss.detach())
+        if step % print_every == 0 or step == args.steps:
+            train_loss = global_batch_loss(step_losses)
+            line = engine.monitor.format_step({**engine.monitor.last, "loss": train_loss})
+            if not bar.disable:
+                bar.write(line)
+            else:
+                log(engine, line)
         if not bar.disable:
-            step_loss = torch.stack(window_losses[-accumulation:]).float().mean().item()
             now = time.perf_counter()
             bar.update(1)
             bar.set_postfix_str(
-                f"loss {step_loss:.4f}, {tokens_per_step / (now - step_start):,.0f} tokens/s"
+                f"loss {train_loss:.4f}, {tokens_per_step / (now - step_start):,.0f} tokens/s"
             )
             step_start = now
-        if step % print_every == 0 or step == args.steps:
-            train_loss = torch.stack(window_losses).float().mean().item()
-            elapsed = time.perf_counter() - window_start  # after .item(): the device is idle
-            steps_in_window = len(window_losses) // accumulation
-            grad_norm = engine.get_global_grad_norm()
-            grad_norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
-            if bar.disable:
-                log(
-                    engine,
-                    f"step {step:>5} | loss {train_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
-                    f"loss scale {engine.loss_scale:g} | grad norm {grad_norm} | "
-                    f"{steps_in_window * tokens_per_step / elapsed:,.0f} tokens/s",
-                )
-            window_losses = []
-            window_start = time.perf_counter()
     bar.close()
     return train_loss
 

@@ -225,8 +225,11 @@ class FlopsProfiler:
 
     # ----- per module
     def module_flops(self, module) -> int:
-        """FLOPs of `module`'s calls while profiling, its submodules' included."""
-        return self._flops.get(module, 0)
+        """FLOPs of `module`'s calls while profiling, its submodules' included; a module never
+        called (a ModuleList) has the sum of its children's, as in DeepSpeed."""
+        if module in self._flops:
+            return self._flops[module]
+        return sum(self.module_flops(child) for child in module.children())
 
     def module_macs(self, module) -> int:
         return self.module_flops(module) // 2
