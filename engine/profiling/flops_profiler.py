@@ -171,9 +171,9 @@ class FlopsProfiler:
         self.reset_profile()
 
     def start_profile(self, ignore_list=None) -> None:
-        """Reset the counts and start counting. `ignore_list`: module classes left out of the
-        per-module breakdown (0 FLOPs, MACs and latency; their work still counts in the
-        enclosing modules and the totals, as in DeepSpeed)."""
+        """Reset the counts and start counting. `ignore_list`: module classes (exact types)
+        left unhooked, as in DeepSpeed: such a module shows its children's sums (0 for a leaf)
+        and its own work counts in the enclosing module and the totals."""
         self.end_profile()
         self.reset_profile()
         self._ignored = tuple(ignore_list or ())
