@@ -179,7 +179,8 @@ def _train(engine, steps):
         engine.step()
 
 
-def test_config_block_prints_at_profile_step(tmp_path, capsys):
+def test_config_block_prints_at_profile_step(tmp_path, capsys, zero_log):
+    # zero_log: the "zero" logger gets a handler, so initialize does not bind one to capsys
     out = tmp_path / "profile.txt"
     block = {"enabled": True, "profile_step": 2, "module_depth": -1, "output_file": str(out)}
     engine, _, _, _ = zero.initialize(model=gpt(), config={**CONFIG, "flops_profiler": block})
