@@ -59,6 +59,7 @@ setup(
         # zero-as-deepspeed's doorway (a directory, not a package): the thin `deepspeed`
         # package, its dist-info and bin/deepspeed (docs/migrating-from-deepspeed.md).
         "zero.integrations": [
+            "deepspeed_catalog.json",
             "doorway/deepspeed/*.py",
             "doorway/deepspeed-*.dist-info/*",
             "doorway/bin/*",

@@ -12,38 +12,35 @@ Behaviour lives in zero's own modules; this module only maps names, except for D
 helpers that have no other home (clone_tensors_for_torch_save, recursive_getattr,
 recursive_setattr, DEEPSPEED_ENVIRONMENT_NAME), which are real functions here.
 
-[Note: names zero does not provide]
-A DeepSpeed name missing from TABLE is an error that names it, says zero does not provide it and
-points at docs/migrating-from-deepspeed.md: AttributeError for `deepspeed.X` and getattr (so
-hasattr and getattr's default still work), ModuleNotFoundError for `import deepspeed.x.y`, and
-ImportError for `from deepspeed.x import Y`; importlib.util.find_spec("deepspeed.x.y") raises
-that ModuleNotFoundError too instead of returning None (a finder cannot tell a probe from an
-import). A name TABLE lists whose zero object does not exist
-(an older zero) fails the same way when it is used, never when `deepspeed` is imported.
-
-[Note: from-imports of names zero lacks]
-For `from M import Y` CPython calls getattr(M, "Y") and, when that raises AttributeError,
-discards the error and raises its own "cannot import name 'Y' from 'M' (unknown location)",
-which would lose the message above. So a module's __getattr__ looks at the instruction its
-caller is executing: under IMPORT_FROM it raises ImportError with the message (ImportError is
-not discarded); anywhere else AttributeError. For a package M, CPython first tries to import
-"M.Y" as a submodule; the finder's ModuleNotFoundError there is discarded by design (its `name`
-is "M.Y"), and the getattr above then reports.
+[Note: the whole surface]
+Every module path and public name of DeepSpeed 0.19.8 resolves: deepspeed_catalog.json lists
+them, generated from DeepSpeed's own source by tools/deepspeed_catalog.py (zero never imports
+DeepSpeed). A path in TABLE or the catalog is one module object; its names resolve, in order, to
+TABLE's zero object, the all_of module's name, the catalog's literal constant, the object behind
+a name the DeepSpeed module imports from another (`deepspeed.utils.logger` is
+`deepspeed.utils.logging.logger`, one object under both names), and otherwise a Placeholder
+(placeholder.py) that imports without error and fails, naming itself, when it is used. A TABLE
+name whose zero object is missing (an older zero) is a placeholder too. A name or path that
+DeepSpeed 0.19.8 does not have raises as Python does: ModuleNotFoundError for `import
+deepspeed.x`, ImportError for `from deepspeed import x`, AttributeError for `deepspeed.x`.
 """
 
 import copy
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import json
 import logging
-import opcode
 import os
 import re
 import sys
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from .placeholder import Placeholder
 
 logger = logging.getLogger("zero")
 
@@ -129,6 +126,21 @@ def recursive_setattr(model, module_name: str, module) -> None:
     parent_path, _, name = module_name.rpartition(".")
     parent = recursive_getattr(model, parent_path) if parent_path else model
     setattr(parent, name, module)
+
+
+def required_torch_version(min_version=None, max_version=None) -> bool:
+    """DeepSpeed's deepspeed.utils.torch.required_torch_version: whether the running torch's
+    version is at least `min_version` and at most `max_version` (each a version string or
+    number such as 2.1, or None for no bound; PEP 440 ordering, so "2.13.0" > "2.2"). Raises
+    ValueError when neither bound is given. Not a collective."""
+    import torch
+
+    if not min_version and not max_version:
+        raise ValueError("required_torch_version needs min_version or max_version (or both)")
+    version = torch.__version__  # a TorchVersion: compares with version strings
+    if min_version and version < str(min_version):
+        return False
+    return not (max_version and version > str(max_version))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,8 +234,16 @@ TABLE: dict[str, DeepSpeedModule] = {
             ),
         },
     ),
+    "deepspeed.runtime.zero.config": DeepSpeedModule(
+        "DeepSpeed's zero_optimization block", {"DeepSpeedZeroConfig": "zero.config:ZeroConfig"}
+    ),
     "deepspeed.runtime.zero.offload_config": DeepSpeedModule(
-        "DeepSpeed's offload settings", _from("zero.config", "OffloadDeviceEnum")
+        "DeepSpeed's offload settings",
+        {
+            **_from("zero.config", "OffloadDeviceEnum"),
+            "DeepSpeedZeroOffloadParamConfig": "zero.config:OffloadParamConfig",
+            "DeepSpeedZeroOffloadOptimizerConfig": "zero.config:OffloadOptimizerConfig",
+        },
     ),
     "deepspeed.runtime.zero.tiling": DeepSpeedModule(
         "DeepSpeed's tiled linear layers",
@@ -244,6 +264,12 @@ TABLE: dict[str, DeepSpeedModule] = {
         "DeepSpeed's checkpoint helpers", _from(__name__, "clone_tensors_for_torch_save")
     ),
     "deepspeed.utils": DeepSpeedModule("DeepSpeed's utilities", all_of="zero.utils"),
+    "deepspeed.utils.logging": DeepSpeedModule(
+        "DeepSpeed's logging (its logger is zero's)", _from("zero.utils", "logger", "log_dist")
+    ),
+    "deepspeed.utils.torch": DeepSpeedModule(
+        "DeepSpeed's torch version helpers", _from(__name__, "required_torch_version")
+    ),
     "deepspeed.utils.zero_to_fp32": DeepSpeedModule(
         "DeepSpeed's consolidation of ZeRO checkpoints", all_of="zero.checkpoint.zero_to_fp32"
     ),
@@ -273,21 +299,60 @@ TABLE: dict[str, DeepSpeedModule] = {
     ),
 }
 
-# path -> names of its child paths (deepspeed.runtime -> engine, config, ...)
-_CHILDREN: dict[str, tuple[str, ...]] = {
-    parent: tuple(sorted(p.rpartition(".")[2] for p in TABLE if p.rpartition(".")[0] == parent))
-    for parent in TABLE
-}
+CATALOG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_catalog.json")
+
+
+@dataclass(frozen=True)
+class CatalogModule:
+    """One module of DeepSpeed 0.19.8 as deepspeed_catalog.json lists it (tools/deepspeed_catalog.py
+    says how it is read): whether it is a package, and its public names, each in one of defined
+    (functions, classes, computed values), imports (name -> "deepspeed.module:name" or, for a
+    module imported under a name, "deepspeed.module") and constants (name -> literal value)."""
+
+    package: bool
+    defined: frozenset[str]
+    imports: dict[str, str]
+    constants: dict[str, object]
+
+    def names(self) -> set[str]:
+        return {*self.defined, *self.imports, *self.constants}
+
+
+@functools.cache
+def catalog() -> dict[str, CatalogModule]:
+    """DeepSpeed 0.19.8's module paths -> CatalogModule, read once from CATALOG_FILE."""
+    with open(CATALOG_FILE) as handle:
+        data = json.load(handle)
+    return {
+        path: CatalogModule(
+            entry["package"], frozenset(entry["defined"]), entry["imports"], entry["constants"]
+        )
+        for path, entry in data["modules"].items()
+    }
+
+
+def served_paths() -> set[str]:
+    """Every module path the doorway serves: TABLE's and the catalog's."""
+    return set(TABLE) | set(catalog())
+
+
+@functools.cache
+def _children(path: str) -> tuple[str, ...]:
+    # path -> names of its child paths (deepspeed.runtime -> engine, config, ...)
+    return tuple(
+        sorted(p.rpartition(".")[2] for p in served_paths() if p.rpartition(".")[0] == path)
+    )
+
+
 assert all(p == "deepspeed" or p.rpartition(".")[0] in TABLE for p in TABLE), "orphan path"
 
 
 def not_provided_message(name: str) -> str:
-    """The error for a DeepSpeed name zero does not provide ([Note: names zero does not
-    provide])."""
+    """The error for a DeepSpeed name zero does not implement (a placeholder's message)."""
     return (
-        f"zero does not provide DeepSpeed's {name}: zero runs in place of DeepSpeed here "
-        "(zero-as-deepspeed) and maps only the DeepSpeed names it implements. See "
-        f"{MIGRATION_DOC} for the names zero provides and what to use instead"
+        f"zero does not implement DeepSpeed's {name}: zero runs in place of DeepSpeed here "
+        "(zero-as-deepspeed), and the name imports but cannot be used. See "
+        f"{MIGRATION_DOC} for the names zero implements and what to use instead"
     )
 
 
@@ -307,11 +372,11 @@ def _load_target(name: str, target: str):
         # among its own imports is that module's error.
         if error.name is None or not (module_name + ".").startswith(error.name + "."):
             raise
-        raise AttributeError(_missing_target_message(name, target, error)) from error
+        return Placeholder(name, _missing_target_message(name, target, error))
     try:
         return getattr(module, attribute)
     except AttributeError as error:
-        raise AttributeError(_missing_target_message(name, target, error)) from error
+        return Placeholder(name, _missing_target_message(name, target, error))
 
 
 def _is_zero_object(value) -> bool:
@@ -332,75 +397,115 @@ def _public_names(module: types.ModuleType) -> set[str]:
 
 
 def listed_names(path: str) -> set[str]:
-    """The names the served module `path` has (TABLE's names and, with all_of, the zero
-    module's public names; not its child paths). Imports the all_of module."""
-    entry = TABLE[path]
-    names = set(entry.names)
-    if entry.all_of is not None:
+    """The names the served module `path` has: TABLE's names, with all_of the zero module's
+    public names, and DeepSpeed 0.19.8's names from the catalog (not its child paths). Imports
+    the all_of module."""
+    entry = TABLE.get(path)
+    names = set(entry.names) if entry is not None else set()
+    if entry is not None and entry.all_of is not None:
         names |= _public_names(importlib.import_module(entry.all_of))
+    found = catalog().get(path)
+    if found is not None:
+        names |= found.names()
     return names
 
 
 def resolve(path: str, name: str):
-    """The zero object behind DeepSpeed's `path`.`name` (a name of TABLE[path], not a child
-    path). Raises AttributeError naming the DeepSpeed name when zero does not provide it or
-    its zero object is missing ([Note: names zero does not provide])."""
-    entry = TABLE[path]
-    if name in entry.names:
+    """The object behind DeepSpeed's `path`.`name` (a served path; `name` not a child path):
+    zero's object, DeepSpeed's literal constant, or a Placeholder ([Note: the whole surface]).
+    Raises AttributeError, as Python does, for a name DeepSpeed 0.19.8's module does not have."""
+    entry = TABLE.get(path)
+    if entry is not None and name in entry.names:
         return _load_target(f"{path}.{name}", entry.names[name])
     if name == "__all__":
         return sorted(listed_names(path))
-    if entry.all_of is not None and not name.startswith("_"):
+    if entry is not None and entry.all_of is not None and not name.startswith("_"):
         module = importlib.import_module(entry.all_of)
         if name in _public_names(module):
             return getattr(module, name)
-    if name.startswith("__") and name.endswith("__"):
-        # Python's own probes (__file__, __wrapped__, ...): the usual message.
-        raise AttributeError(f"module {path!r} has no attribute {name!r}")
-    raise AttributeError(not_provided_message(f"{path}.{name}"))
+    found = catalog().get(path)
+    if found is not None and name in found.constants:
+        return found.constants[name]
+    if found is not None and name in found.imports:
+        return _imported(path, name, found.imports[name])
+    if found is not None and name in found.defined:
+        implemented = _implemented_at().get(f"{path}.{name}")
+        if implemented is not None:
+            return getattr(importlib.import_module(implemented[0]), implemented[1])
+        return Placeholder(f"{path}.{name}", not_provided_message(f"{path}.{name}"))
+    raise AttributeError(f"module {path!r} has no attribute {name!r}")
 
 
-_IMPORT_FROM = opcode.opmap["IMPORT_FROM"]
+@functools.cache
+def _implemented_at() -> dict[str, tuple[str, str]]:
+    """ "P.N" -> (TABLE path, name) for every DeepSpeed name N defined in module P that a TABLE
+    module implements under a name it imports from P, directly or through other modules
+    (deepspeed.ops.adam's DeepSpeedCPUAdam is deepspeed.ops.adam.cpu_adam's): one object under
+    every DeepSpeed name of it."""
+    found: dict[str, tuple[str, str]] = {}
+    modules = catalog()
+    for path, entry in TABLE.items():
+        implemented = set(entry.names)
+        if entry.all_of is not None:
+            implemented |= _public_names(importlib.import_module(entry.all_of))
+        imports = modules[path].imports if path in modules else {}
+        for name in implemented & set(imports):
+            origin = imports[name]
+            while ":" in origin:
+                found.setdefault(origin.replace(":", "."), (path, name))
+                module, _, attribute = origin.partition(":")
+                origin = modules[module].imports.get(attribute, "") if module in modules else ""
+    return found
 
 
-def _executing_import_from(frame) -> bool:
-    # [Note: from-imports of names zero lacks]
-    code = frame.f_code.co_code
-    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM
+def _imported(path: str, name: str, origin: str):
+    # A name DeepSpeed's module imports from another: that module's object, so both names give
+    # one object (deepspeed.utils.logger is deepspeed.utils.logging.logger).
+    # DeepSpeed makes some names at run time (op_builder's builders), which the catalog cannot
+    # see at their origin: those are placeholders under the importing module's name.
+    module_path, _, attribute = origin.partition(":")
+    module_path = canonical_path(module_path)
+    if module_path not in served_paths() or (
+        attribute and attribute not in listed_names(module_path) | set(_children(module_path))
+    ):
+        return Placeholder(f"{path}.{name}", not_provided_message(f"{path}.{name}"))
+    module = importlib.import_module(module_path)
+    return getattr(module, attribute) if attribute else module
 
 
 class _DoorwayModule(types.ModuleType):
-    """The module of one TABLE path: child paths and names resolve on first use and are then
+    """The module of one served path: child paths and names resolve on first use and are then
     kept in the module's namespace."""
 
     def __getattr__(self, name: str):
         path = self.__name__
-        if name in _CHILDREN[path]:
+        if name in _children(path):
             return importlib.import_module(f"{path}.{name}")
-        try:
-            value = resolve(path, name)
-        except AttributeError as error:
-            if _executing_import_from(sys._getframe(1)):
-                raise ImportError(str(error), name=path) from error
-            raise
+        value = resolve(path, name)
         setattr(self, name, value)
         return value
 
     def __dir__(self) -> list[str]:
-        return sorted({*super().__dir__(), *_CHILDREN[self.__name__], *listed_names(self.__name__)})
+        return sorted({*super().__dir__(), *_children(self.__name__), *listed_names(self.__name__)})
 
 
 def _about(path: str) -> str:
-    entry = TABLE[path]
+    entry = TABLE.get(path)
+    if entry is None:
+        return (
+            f"DeepSpeed 0.19.8's {path}, served by zero ({__name__}; zero-as-deepspeed, "
+            f"{MIGRATION_DOC}): its names import, and those zero does not implement are "
+            "placeholders that fail when used."
+        )
     sources = sorted({t.partition(":")[0] for t in entry.names.values()} | {entry.all_of} - {None})
     where = f" Its names are zero's, from {', '.join(sources)}." if sources else ""
     return f"{entry.about}, served by zero ({__name__}; zero-as-deepspeed, {MIGRATION_DOC}).{where}"
 
 
 def canonical_path(path: str) -> str:
-    """The TABLE path whose module `path` names: `path` itself, or `path` with a same_as prefix
-    replaced (deepspeed.zero.partition_parameters -> deepspeed.runtime.zero.partition_parameters),
-    so a module has one object under every name."""
+    """The served path whose module `path` names: `path` itself, or `path` with a same_as
+    prefix replaced (deepspeed.zero.partition_parameters ->
+    deepspeed.runtime.zero.partition_parameters), so a module has one object under every name."""
     head = path
     while head:
         entry = TABLE.get(head)
@@ -410,10 +515,14 @@ def canonical_path(path: str) -> str:
     return path
 
 
+def _is_package(path: str) -> bool:
+    found = catalog().get(path)
+    return bool(_children(path)) or (found is not None and found.package)
+
+
 class _DoorwayFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves `deepspeed` and every TABLE path, one module object per path (a same_as path is
-    its target's module); raises the not-provided error for other paths directly below a served
-    package."""
+    """Serves `deepspeed` and every served path, one module object per path (a same_as path is
+    its target's module). Other paths below `deepspeed` are not found, as in DeepSpeed."""
 
     def __init__(self, shim_file: str):
         self.shim_file = shim_file
@@ -422,15 +531,9 @@ class _DoorwayFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname: str, path=None, target=None):
         if fullname.partition(".")[0] != "deepspeed":
             return None
-        canonical = canonical_path(fullname)
-        if canonical in TABLE:
+        if canonical_path(fullname) in served_paths():
             return self._spec(fullname)
-        parent, _, name = canonical.rpartition(".")
-        if parent not in TABLE or name in listed_names(parent):
-            # Below a path that is not served (importing it already failed), or a name of a
-            # served module, which is not a module: the import system's own error.
-            return None
-        raise ModuleNotFoundError(not_provided_message(fullname), name=fullname)
+        return None
 
     def _spec(self, fullname: str) -> importlib.machinery.ModuleSpec:
         spec = self._specs.get(fullname)
@@ -440,7 +543,7 @@ class _DoorwayFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 fullname,
                 self,
                 origin=self.shim_file if top else __name__,
-                is_package=bool(_CHILDREN[canonical_path(fullname)]),
+                is_package=_is_package(canonical_path(fullname)),
             )
             spec.has_location = top  # deepspeed.__file__ is the doorway package's file
             self._specs[fullname] = spec
