@@ -14,6 +14,8 @@ Modules, lowest first (each imports only modules above it in this list):
   schema.py             every other block, and Config
   parse.py              reading files and mappings: JSON / hjson / YAML, the checking walk
   deepspeed_keys.py     DeepSpeed's deprecated names, unsupported blocks and their warnings
+  policy.py             what an unknown key is: an error (zero's API) or, under the DeepSpeed
+                        doorway, dropped with one warning (KeyPolicy)
   auto.py               "auto" values and the batch-size triple
   load.py               load_config (runs the steps in order) and settings_without_effect
   deepspeed_config.py   DeepSpeedConfig: a loaded config under DeepSpeed's attribute names
@@ -22,6 +24,7 @@ Modules, lowest first (each imports only modules above it in this list):
 from .deepspeed_config import DeepSpeedConfig
 from .errors import ConfigError, ConfigNotImplementedError
 from .load import load_config, settings_without_effect
+from .policy import STRICT, KeyPolicy, current_key_policy, use_key_policy
 from .schema import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -57,16 +60,20 @@ __all__ = [
     "DeepSpeedConfig",
     "FlopsProfilerConfig",
     "FP16Config",
+    "KeyPolicy",
     "MonitorConfig",
     "OffloadDeviceEnum",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
+    "STRICT",
     "SchedulerConfig",
     "TensorParallelConfig",
     "TorchAutocastConfig",
     "WandbConfig",
     "ZeroConfig",
+    "current_key_policy",
     "load_config",
     "settings_without_effect",
+    "use_key_policy",
 ]

@@ -11,7 +11,8 @@
 3. replace ``"auto"`` values from ``auto_values`` (Hugging Face style configs); an "auto"
    bucket size or threshold nothing fills takes its default, said in one info line (auto.py);
 4. validate against the schema (schema.py; one ``ConfigError`` naming the dotted key on
-   failure, errors.py; keys whose non-default value would change what is trained and that
+   failure, errors.py; an unknown key is an error, or dropped with one warning where the key
+   policy ignores it, policy.py; keys whose non-default value would change what is trained and that
    zero does not implement, ZeRO++ quantization, torch_autocast, AutoTP, weight_quantization and
    the like, are errors unless at their defaults);
 5. derive the batch triple for the data-parallel world size (auto.py);
@@ -30,8 +31,9 @@ from pydantic import ValidationError
 
 from .auto import _derive_batch, _resolve_auto
 from .deepspeed_keys import _ignore_param_offload, _map_deprecated, _warn_unsupported
-from .errors import ConfigError, _config_error
+from .errors import ConfigError, _config_error, _walk
 from .parse import _read_source
+from .policy import KeyPolicy, current_key_policy, warn_ignored
 from .schema import Config
 from .values import _freeze, _thaw
 
@@ -46,6 +48,7 @@ def load_config(
     world_size: int = 1,
     auto_values: Mapping[str, Any] | None = None,
     notes: list[str] | None = None,
+    key_policy: KeyPolicy | None = None,
 ) -> Config:
     """Load, validate and resolve a DeepSpeed-style config.
 
@@ -63,6 +66,9 @@ def load_config(
             entries that took defaults; at most one line) are appended here instead of being
             logged to the "zero" logger, so a caller without a log handler yet (zero.initialize)
             can log them once it has one.
+        key_policy: what an unknown key is (policy.py): default the process's current policy,
+            STRICT (an error) unless the DeepSpeed doorway set DeepSpeed's (dropped with one
+            warning, outside the blocks DeepSpeed validates strictly).
 
     Returns:
         An immutable ``Config`` whose three batch keys are ints.
@@ -79,6 +85,7 @@ def load_config(
             (ZeRO++'s quantized collectives, torch_autocast, AutoTP, ...).
 
     Warns:
+        UserWarning, once per key per process, for each unknown key the key policy ignores;
         FutureWarning for each deprecated DeepSpeed name; UserWarning for enabled blocks of
         subsystems zero does not support, and for zero_optimization.offload_param with a device
         below stage 3 (ignored, as DeepSpeed does: the returned config has no offload_param).
@@ -98,10 +105,7 @@ def load_config(
         data = _resolve_auto(data, auto_values or {}, where, found)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}.")
-    try:
-        config = Config.model_validate(data)
-    except ValidationError as err:
-        raise _config_error(err, where, Config) from None
+    config, data = _validate(data, where, key_policy or current_key_policy())
     train, micro, gas = _derive_batch(
         config.train_batch_size,
         config.train_micro_batch_size_per_gpu,
@@ -127,6 +131,33 @@ def load_config(
         for line in found:
             logger.info(line)
     return config
+
+
+def _validate(data: dict, where: str, policy: KeyPolicy) -> tuple[Config, dict]:
+    """(Config, the data it was built from): `data` validated, less the unknown keys `policy`
+    ignores (each warned about once). Raises the ConfigError of every other problem."""
+    try:
+        return Config.model_validate(data), data
+    except ValidationError as err:
+        ignored = [
+            e["loc"]
+            for e in err.errors()
+            if e["type"] == "extra_forbidden" and policy.ignores(tuple(e["loc"]))
+        ]
+        if not ignored:
+            raise _config_error(err, where, Config) from None
+    for loc in ignored:
+        block, _ = _walk(Config, loc)
+        known = list(block.model_fields) if block is not None else []
+        warn_ignored(loc, known, where, policy)
+        parent = data
+        for part in loc[:-1]:
+            parent = parent[part]
+        del parent[loc[-1]]
+    try:
+        return Config.model_validate(data), data
+    except ValidationError as err:
+        raise _config_error(err, where, Config) from None
 
 
 def settings_without_effect(config: Config, *, model_parallel_world_size: int) -> list[str]:

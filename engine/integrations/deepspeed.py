@@ -144,6 +144,47 @@ def required_torch_version(min_version=None, max_version=None) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# DeepSpeed's config keys
+
+# The blocks DeepSpeed 0.19.8 validates with its pydantic DeepSpeedConfigModel (extra="forbid":
+# an unknown key is an error there, at any depth). Everywhere else DeepSpeed reads the keys it
+# knows from plain dicts and ignores the rest: the top level, aio, activation_checkpointing,
+# flops_profiler, checkpoint, data_types, optimizer, scheduler, timers (but not
+# timers.throughput), ...
+DEEPSPEED_STRICT_BLOCKS = (
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "compile",
+    "hybrid_engine",
+    "tensor_parallel",
+    "timers.throughput",
+)
+
+
+@functools.cache
+def use_deepspeed_key_policy() -> None:
+    """Make load_config follow DeepSpeed 0.19.8 on unknown keys in this process (zero.config's
+    KeyPolicy): dropped with one warning each naming the nearest known key, except in
+    DEEPSPEED_STRICT_BLOCKS, where they stay errors. Called when the first DeepSpeed name is
+    resolved, so that `import deepspeed` alone imports no torch (zero.config does)."""
+    from zero.config import KeyPolicy, use_key_policy
+
+    use_key_policy(
+        KeyPolicy(
+            ignore_unknown=True,
+            strict_blocks=DEEPSPEED_STRICT_BLOCKS,
+            follows=f"DeepSpeed {DEEPSPEED_API_VERSION}",
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # The table
 
 
@@ -478,6 +519,8 @@ class _DoorwayModule(types.ModuleType):
     kept in the module's namespace."""
 
     def __getattr__(self, name: str):
+        if not name.startswith("__"):  # Python's own probes (__path__, ...) are no use
+            use_deepspeed_key_policy()  # the program uses DeepSpeed's names: DeepSpeed's config
         path = self.__name__
         if name in _children(path):
             return importlib.import_module(f"{path}.{name}")

@@ -293,3 +293,62 @@ def test_checked_in_catalog_is_what_the_generator_makes(tmp_path):
     )
     with open(doorway.CATALOG_FILE) as handle:
         assert out.read_text() == handle.read()
+
+
+def test_doorway_accepts_configs_deepspeed_accepts_and_zero_keeps_its_strictness():
+    # TRL's reference-model config (top-level keys whose names hold dots) and Lightning's aio
+    # block: DeepSpeed 0.19.8 ignores those keys. Under the doorway they are dropped with one
+    # warning each; `import zero` programs still get the ConfigError.
+    code = """
+        import json, os, warnings
+        import torch
+        CONFIG = {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 2},
+            "zero_optimization.reduce_bucket_size": 1024,
+            "zero_optimization.stage3_param_persistence_threshold": 320,
+            "aio": {"thread_count": 1, "block_size": 1048576},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        }
+        record = {}
+        if os.environ.get("ZERO_AS_DEEPSPEED") == "1":  # set by zero-as-deepspeed
+            import deepspeed as api
+        else:
+            import zero as api
+        model = torch.nn.Linear(4, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                engine, *_ = api.initialize(model=model, config=CONFIG)
+                api.initialize(model=torch.nn.Linear(4, 2), config=CONFIG)  # a second engine
+                loss = engine(torch.ones(2, 4)).sum()
+                engine.backward(loss)
+                engine.step()
+                record["trained"] = True
+            except ValueError as error:
+                record["error"] = str(error)
+        record["warned"] = sorted(
+            str(w.message).split("'")[1] for w in caught if "is not a key" in str(w.message)
+        )
+        print(json.dumps(record))
+    """
+    under = run_under_doorway(code)
+    assert under == {
+        "trained": True,
+        "warned": [
+            "aio.thread_count",
+            "zero_optimization.reduce_bucket_size",
+            "zero_optimization.stage3_param_persistence_threshold",
+        ],
+    }
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "PYTHONPATH")}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    plain = json.loads(result.stdout.splitlines()[-1])
+    assert "unknown key" in plain["error"] and plain["warned"] == []
