@@ -1,6 +1,7 @@
 """Engine semantics in one process: the DeepSpeed-style loop, its counters and its errors."""
 
 import argparse
+import logging
 
 import pytest
 import torch
@@ -296,7 +297,19 @@ def test_deepspeed_leaf_module_block_makes_stage3_fetch_units():
 
     assert units({}) == ["0.a", "0.b", "1.a", "1.b"]
     assert units({"classes": ["Tiny"]}) == ["0", "1"]
+    # DeepSpeed's form: the fully qualified class name
+    assert units({"classes": [f"{Tiny.__module__}.{Tiny.__qualname__}"]}) == ["0", "1"]
+    assert units({"classes": "Tiny"}) == ["0", "1"]
     assert units({"names": ["0"]}) == ["0", "1.a", "1.b"]
     assert units({"name_suffixes": ["1"]}) == ["0.a", "0.b", "1"]
     with pytest.raises(ValueError, match="leaf_module.names: no module of Sequential is named 'x'"):
         units({"names": ["x"]})
+
+
+def test_leaf_module_classes_matching_no_module_warn_as_deepspeed_does(caplog):
+    model = torch.nn.Sequential(Tiny(), Tiny())
+    zero_cfg = {"stage": 3, "leaf_module": {"classes": ["transformers.models.x.NoSuchBlock"]}}
+    with caplog.at_level(logging.WARNING, logger="zero"):
+        zero.initialize(model=model, config=base_config(zero_optimization=zero_cfg))
+    (record,) = [r for r in caplog.records if "leaf_module.classes" in r.getMessage()]
+    assert "NoSuchBlock" in record.getMessage()

@@ -280,6 +280,21 @@ def mark_leaf_names(model, zero_cfg) -> None:
         ("names", leaf.names, str.__eq__, "named"),
         ("name_suffixes", leaf.name_suffixes, str.endswith, "named with the suffix"),
     )
+    # leaf_module.classes: a class's own name or its fully qualified one, as DeepSpeed matches;
+    # DeepSpeed warns (hooks then apply as usual) when no module is of any class listed.
+    kinds = {
+        m: (type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}") for _, m in named
+    }
+    of_class = [m for m, kind in kinds.items() if set(kind) & set(leaf.classes)]
+    if leaf.classes and not of_class:
+        logger.warning(
+            "zero_optimization.leaf_module.classes: no module of %s is of a class in %s (the "
+            "class name or its fully qualified one); no module is made a leaf by class",
+            type(model).__name__,
+            list(leaf.classes),
+        )
+    for module in of_class:
+        mark_leaf(module)
     for key, wanted, matches, said in ways:
         for text in wanted:
             found = [m for n, m in named if matches(n, text)]
