@@ -313,3 +313,28 @@ def test_leaf_module_classes_matching_no_module_warn_as_deepspeed_does(caplog):
         zero.initialize(model=model, config=base_config(zero_optimization=zero_cfg))
     (record,) = [r for r in caplog.records if "leaf_module.classes" in r.getMessage()]
     assert "NoSuchBlock" in record.getMessage()
+
+
+def test_optimizer_is_read_as_a_torch_optimizer():
+    """The optimizer zero.initialize returns has torch's state / param_groups / state_dict():
+    `state` is the real dict keyed by this rank's master shards (DeepSpeed keys its ZeRO
+    optimizers' by the flat partitions), and Lightning's teardown loop over it works."""
+    cfg = base_config(zero_optimization={"stage": 2}, gradient_accumulation_steps=1)
+    engine, optimizer, _, _ = zero.initialize(model=Tiny(), config=cfg)
+    assert isinstance(optimizer.state, dict) and len(optimizer.state) == 0
+    engine.backward(engine(torch.randn(2, 5)).sum())
+    engine.step()
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    assert list(optimizer.state) == masters and optimizer.defaults["lr"] > 0
+    for master, per_param in optimizer.state.items():
+        assert per_param["exp_avg"].shape == master.shape
+    # Lightning's _optimizer_to_device, as it runs at teardown
+    for per_param in optimizer.state.values():
+        for key, value in per_param.items():
+            if key != "step":
+                per_param[key] = value.to("cpu")
+    saved = optimizer.state_dict()
+    optimizer.load_state_dict(saved)
+    engine.backward(engine(torch.randn(2, 5)).sum())
+    engine.step()  # the state written back is the one the next step reads
+    assert engine.global_steps == 2

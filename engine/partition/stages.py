@@ -875,7 +875,29 @@ class ZeroOptimizer:
 
     @property
     def param_groups(self):
+        """The wrapped torch optimizer's param groups: every hyper-parameter as given, and
+        "params" holding this rank's fp32 master shards (1-D, one per bucket of the group)."""
         return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        """The wrapped torch optimizer's state, a real dict, as DeepSpeed's ZeRO optimizers
+        expose theirs (keyed by their flat fp32 partitions): keyed by this rank's fp32 master
+        shards (the tensors in param_groups' "params"), each value the dict of that shard's
+        state ("exp_avg", "exp_avg_sq": fp32 tensors shaped like the shard; "step"). Programs
+        that iterate it see real tensors (Lightning's teardown moves them to the CPU); a value
+        written into it is the state the next step reads. With nvme offload of the optimizer,
+        a bucket's state lives in its file outside `resident()`. Not a collective."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict:
+        """The wrapped torch optimizer's default hyper-parameters (torch's Optimizer.defaults)."""
+        return self.optimizer.defaults
 
     def locate(self, param) -> tuple[Bucket, int] | None:
         """(bucket, index in bucket.params) of a parameter this optimizer trains; None for any
