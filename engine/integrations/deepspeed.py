@@ -25,6 +25,7 @@ DeepSpeed 0.19.8 does not have raises as Python does: ModuleNotFoundError for `i
 deepspeed.x`, ImportError for `from deepspeed import x`, AttributeError for `deepspeed.x`.
 """
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -126,6 +127,20 @@ def recursive_setattr(model, module_name: str, module) -> None:
     parent_path, _, name = module_name.rpartition(".")
     parent = recursive_getattr(model, parent_path) if parent_path else model
     setattr(parent, name, module)
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model):
+    """DeepSpeed's deepspeed.runtime.zero.stage3.unwrap_model_for_generation (also
+    deepspeed.runtime.zero's): a context manager that gathers every parameter of `model` (an
+    engine, or a module zero manages) for its body and yields `model`, so generation's many
+    forwards gather nothing more. Stage 3: each parameter is whole inside and partitioned again
+    at exit (zero.GatheredParameters, read-only); other stages: nothing to gather. Collective:
+    every rank enters it (the gather is an all-gather)."""
+    from zero import GatheredParameters
+
+    with GatheredParameters(list(model.parameters())):
+        yield model
 
 
 def required_torch_version(min_version=None, max_version=None) -> bool:
@@ -285,6 +300,10 @@ TABLE: dict[str, DeepSpeedModule] = {
             "DeepSpeedZeroOffloadParamConfig": "zero.config:OffloadParamConfig",
             "DeepSpeedZeroOffloadOptimizerConfig": "zero.config:OffloadOptimizerConfig",
         },
+    ),
+    "deepspeed.runtime.zero.stage3": DeepSpeedModule(
+        "DeepSpeed's stage 3 optimizer (its helpers only)",
+        _from(__name__, "unwrap_model_for_generation"),
     ),
     "deepspeed.runtime.zero.tiling": DeepSpeedModule(
         "DeepSpeed's tiled linear layers",

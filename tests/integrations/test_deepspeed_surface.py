@@ -120,6 +120,11 @@ def test_what_programs_touch():
         from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero import unwrap_model_for_generation
+        import deepspeed.runtime.zero.stage3 as stage3
+        from zero.integrations.placeholder import is_placeholder
+        record["unwrap"] = not is_placeholder(unwrap_model_for_generation) and (
+            unwrap_model_for_generation is stage3.unwrap_model_for_generation
+        )
         from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
         from deepspeed.utils.torch import required_torch_version
         record["torch_ok"] = required_torch_version(min_version="2.0")
@@ -164,7 +169,7 @@ def test_what_programs_touch():
         print(json.dumps(record))
     """
     record = run_under_doorway(code)
-    assert record["logger"] and record["zero_config"] and record["torch_ok"]
+    assert record["logger"] and record["zero_config"] and record["torch_ok"] and record["unwrap"]
     assert record["zero_key"] == "zero_optimization"
     assert record["one_adam"] and record["one_accelerator"] and record["comm"]
     assert record["placeholders_used_as_classes"] == [False, False, True]
@@ -352,3 +357,28 @@ def test_doorway_accepts_configs_deepspeed_accepts_and_zero_keeps_its_strictness
     assert result.returncode == 0, result.stderr[-4000:]
     plain = json.loads(result.stdout.splitlines()[-1])
     assert "unknown key" in plain["error"] and plain["warned"] == []
+
+
+def test_unwrap_model_for_generation_gathers_every_parameter_for_its_body():
+    import torch
+
+    import zero
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    engine, *_ = zero.initialize(model=model, config=config)
+    x = torch.randn(2, 8)
+    expected = engine(x).detach()
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned
+    with doorway.unwrap_model_for_generation(engine) as unwrapped:
+        assert unwrapped is engine
+        for name, param in engine.module.named_parameters():
+            assert torch.equal(param.detach(), full[name])
+        assert torch.equal(unwrapped(x).detach(), expected)
+    assert all(p.numel() == 0 for p in engine.module.parameters())
