@@ -1,7 +1,8 @@
 """DeepSpeed's module paths served by zero: `import deepspeed` under zero-as-deepspeed.
 
-TABLE lists every DeepSpeed module path zero serves (deepspeed, deepspeed.runtime.engine,
-deepspeed.accelerator, ...) and the zero object behind each of its names. Once the doorway's
+TABLE lists the DeepSpeed module paths whose names map to zero's objects (deepspeed,
+deepspeed.runtime.engine, deepspeed.accelerator, ...) and the zero object behind each of those
+names; the catalog serves every other path and name ([Note: the whole surface]). Once the doorway's
 `deepspeed` package (doorway/deepspeed/__init__.py) is imported, it calls install(), which puts
 _DoorwayFinder first in sys.meta_path and the module of the path "deepspeed" in sys.modules in
 the package's place. Each path is one module object (however it is imported) whose names resolve on
@@ -10,7 +11,9 @@ first use, so `import deepspeed` imports neither torch nor the engine, and
 
 Behaviour lives in zero's own modules; this module only maps names, except for DeepSpeed's small
 helpers that have no other home (clone_tensors_for_torch_save, recursive_getattr,
-recursive_setattr, DEEPSPEED_ENVIRONMENT_NAME), which are real functions here.
+recursive_setattr, required_torch_version, unwrap_model_for_generation,
+DEEPSPEED_ENVIRONMENT_NAME), which are real functions here, and DeepSpeed's config key policy
+(use_deepspeed_key_policy: unknown keys as DeepSpeed treats them, docs/config.md).
 
 [Note: the whole surface]
 Every module path and public name of DeepSpeed 0.19.8 resolves: deepspeed_catalog.json lists
@@ -23,6 +26,7 @@ a name the DeepSpeed module imports from another (`deepspeed.utils.logger` is
 name whose zero object is missing (an older zero) is a placeholder too. A name or path that
 DeepSpeed 0.19.8 does not have raises as Python does: ModuleNotFoundError for `import
 deepspeed.x`, ImportError for `from deepspeed import x`, AttributeError for `deepspeed.x`.
+So the doorway needs no look at how a name is being imported.
 """
 
 import contextlib
