@@ -183,6 +183,7 @@ DEEPSPEED_STRICT_BLOCKS = (
     "hybrid_engine",
     "tensor_parallel",
     "timers.throughput",
+    "weight_quantization",
 )
 
 

@@ -1,6 +1,9 @@
 """Unknown config keys: errors under zero's own API (STRICT), dropped with one warning each under
 DeepSpeed's policy (the doorway's), except in the blocks DeepSpeed 0.19.8 validates strictly."""
 
+import json
+import os
+import subprocess
 import warnings
 
 import pytest
@@ -45,6 +48,9 @@ REFUSED_BY_DEEPSPEED = {
     "bf16.enable": {"bf16": {"enable": True}},
     "fp16.loss_scal": {"fp16": {"loss_scal": 0}},
     "timers.throughput.enable": {"timers": {"throughput": {"enable": True}}},
+    "tensorboard.enable": {"tensorboard": {"enable": True}},
+    "comms_logger.enable": {"comms_logger": {"enable": True}},
+    "tensor_parallel.autotp_sise": {"tensor_parallel": {"autotp_sise": 1}},
 }
 
 
@@ -117,3 +123,46 @@ def test_policy_ignores_by_block():
     assert not DEEPSPEED.ignores(("timers", "throughput", "x"))
     with pytest.raises(TypeError, match="KeyPolicy"):
         use_key_policy("deepspeed")
+
+
+# What DeepSpeed 0.19.8's own DeepSpeedConfig says of each case, asked in a Python where it is
+# installed (DEEPSPEED_PYTHON; never this one, where `deepspeed` must be the doorway or nothing).
+_ASK_DEEPSPEED = """
+import json, logging, sys
+logging.disable(logging.CRITICAL)
+from deepspeed.runtime.config import DeepSpeedConfig
+verdicts = {}
+for key, config in json.loads(sys.stdin.read()).items():
+    try:
+        DeepSpeedConfig(config)
+        verdicts[key] = "accepted"
+    except Exception as error:
+        verdicts[key] = type(error).__name__
+print(json.dumps(verdicts))
+"""
+
+
+@pytest.mark.skipif(
+    not os.environ.get("DEEPSPEED_PYTHON"),
+    reason="set DEEPSPEED_PYTHON to a Python with deepspeed==0.19.8 installed to compare",
+)
+def test_deepspeed_policy_accepts_and_refuses_what_deepspeed_does(deepspeed_policy):
+    cases = {k: config_with(v) for k, v in {**IGNORED_BY_DEEPSPEED, **REFUSED_BY_DEEPSPEED}.items()}
+    result = subprocess.run(
+        [os.environ["DEEPSPEED_PYTHON"], "-c", _ASK_DEEPSPEED],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    deepspeed = json.loads(result.stdout.splitlines()[-1])
+    for key, config in cases.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                load_config(config)
+                ours = "accepted"
+            except ConfigError:
+                ours = "refused"
+        assert (ours == "accepted") == (deepspeed[key] == "accepted"), (key, deepspeed[key])
