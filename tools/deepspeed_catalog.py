@@ -11,7 +11,8 @@ doorway (zero.integrations.deepspeed) serves every path and name listed: the nam
 map to zero's objects, the others are placeholders that fail when used.
 
 A module's public names are what a program can import from it: top-level functions, classes
-and assignments (inside `if` / `try` / `with` blocks too), names imported from another DeepSpeed
+and assignments (inside `if` / `try` / `with` blocks too, but not under `if TYPE_CHECKING:` or
+`if __name__ == "__main__":`), names imported from another DeepSpeed
 module (`from deepspeed.utils import logger`), the names of `from deepspeed.x import *`, and
 `__all__`; names starting with "_" are left out, except assigned dunders (`__version__`). Child
 module paths are not names (they are paths). Each name is in exactly one of:
@@ -108,7 +109,9 @@ def _statements(body):
     """Top-level statements, looking inside if / try / with blocks (not into functions)."""
     for node in body:
         yield node
-        if isinstance(node, (ast.If, ast.With, ast.For, ast.While)):
+        if isinstance(node, ast.If) and _never_at_import(node.test):
+            yield from _statements(node.orelse)
+        elif isinstance(node, (ast.If, ast.With, ast.For, ast.While)):
             yield from _statements(node.body)
             yield from _statements(getattr(node, "orelse", []))
         elif isinstance(node, ast.Try):
@@ -117,6 +120,15 @@ def _statements(body):
                 yield from _statements(handler.body)
             yield from _statements(node.orelse)
             yield from _statements(node.finalbody)
+
+
+def _never_at_import(test) -> bool:
+    """`if TYPE_CHECKING:` and `if __name__ == "__main__":` bodies bind nothing an import sees."""
+    text = ast.unparse(test)
+    return text in ("TYPE_CHECKING", "typing.TYPE_CHECKING") or text in (
+        "__name__ == '__main__'",
+        '__name__ == "__main__"',
+    )
 
 
 def _targets(target):

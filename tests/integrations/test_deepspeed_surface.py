@@ -240,7 +240,14 @@ def test_generator_reads_names_imports_and_constants(tmp_path):
             """,
             "deepspeed/runtime/__init__.py": "",
             "deepspeed/runtime/zero/__init__.py": "from .stage3 import unwrap\n",
-            "deepspeed/runtime/zero/stage3.py": "def unwrap(model): ...\n",
+            "deepspeed/runtime/zero/stage3.py": """
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from deepspeed.runtime.engine import DeepSpeedEngine
+                def unwrap(model): ...
+                if __name__ == "__main__":
+                    parser = make()
+            """,
             "deepspeed/ops/__init__.py": "__all__ = ['adam_op']\nadam_op = 1\nother = 2\n",
             "deepspeed/ops/csrc/kernel.py": "x = 1\n",  # no __init__.py: not a module path
         },
@@ -282,6 +289,8 @@ def test_generator_reads_names_imports_and_constants(tmp_path):
     assert modules["deepspeed.runtime.zero"]["imports"] == {
         "unwrap": "deepspeed.runtime.zero.stage3:unwrap"
     }
+    stage3 = modules["deepspeed.runtime.zero.stage3"]
+    assert stage3["defined"] == ["unwrap"] and stage3["imports"] == {}
 
 
 @pytest.mark.skipif(
