@@ -135,26 +135,28 @@ def test_what_programs_touch():
         from deepspeed.accelerator.real_accelerator import get_accelerator as by_real
         record["one_accelerator"] = by_real is get_accelerator
         from deepspeed.profiling.flops_profiler import FlopsProfiler, get_model_profile
+        record["profiler"] = not is_placeholder(FlopsProfiler)  # zero's own
+        from deepspeed.moe.layer import MoE
         import deepspeed.comm as dist
         record["comm"] = dist.get_rank is zero.comm.get_rank
         record["placeholders_used_as_classes"] = [
             isinstance(object(), PipelineModule),
             issubclass(int, DeepSpeedZeroOptimizer_Stage3),
-            isinstance(3, (int, FlopsProfiler)),
+            isinstance(3, (int, MoE)),
         ]
         errors = {}
         for label, use in (
             ("call", lambda: PipelineModule(layers=[])),
-            ("attribute", lambda: FlopsProfiler.start_profile),
+            ("attribute", lambda: MoE.set_deepspeed_parallelism),
             ("subclass", lambda: exec("class X(PipelineModule): pass")),
         ):
             try:
                 use()
             except Exception as error:
                 errors[label] = [type(error).__name__, "deepspeed.runtime.pipe.module" in str(error)
-                                 or "flops_profiler" in str(error)]
+                                 or "deepspeed.moe.layer.MoE" in str(error)]
         record["errors"] = errors
-        record["hasattr"] = hasattr(FlopsProfiler, "start_profile")
+        record["hasattr"] = hasattr(MoE, "set_deepspeed_parallelism")
         missing = {}
         for statement in (
             "from deepspeed import NotADeepSpeedName",
@@ -170,6 +172,7 @@ def test_what_programs_touch():
     """
     record = run_under_doorway(code)
     assert record["logger"] and record["zero_config"] and record["torch_ok"] and record["unwrap"]
+    assert record["profiler"]
     assert record["zero_key"] == "zero_optimization"
     assert record["one_adam"] and record["one_accelerator"] and record["comm"]
     assert record["placeholders_used_as_classes"] == [False, False, True]
