@@ -14,6 +14,7 @@ import re
 DEFAULT_HOSTFILE = "/job/hostfile"
 
 _SLOTS_RE = re.compile(r"^slots=(\S+)$")
+_DIGITS_RE = re.compile(r"^-?[0-9]+\Z")
 # What a host name may contain: it goes into ssh/pdsh command lines, the agents' node list
 # ("host:0,1@host2:0,1") and --include/--exclude, where "@", ":" and "," are separators.
 _HOST_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -41,17 +42,19 @@ def parse_hostfile(path: str) -> dict[str, int]:
     with open(path, "rb") as f:
         lines = decode_lines(f.read(), f"hostfile '{path}'")
     hosts: dict[str, int] = {}
-    first_line: dict[str, int] = {}
+    first_line: dict[str, tuple[int, str]] = {}  # lowercased host -> (line number, spelling)
     for line_number, line in enumerate(lines, start=1):
         content = line.split("#", 1)[0].strip()
         if not content:
             continue
         host, num_slots = _parse_line(content, path, line_number, line)
-        if host in hosts:
-            reason = f"host '{host}' is listed twice (lines {first_line[host]} and {line_number})"
+        if host.lower() in first_line:  # host names are case-insensitive (RFC 4343)
+            first, spelled = first_line[host.lower()]
+            same = "" if spelled == host else f" (as '{spelled}'; host names ignore case)"
+            reason = f"host '{host}' is listed twice{same} (lines {first} and {line_number})"
             raise _line_error(path, line_number, line, reason)
         hosts[host] = num_slots
-        first_line[host] = line_number
+        first_line[host.lower()] = (line_number, host)
     if not hosts:
         raise ValueError(f"hostfile '{path}' lists no host; expected lines 'hostname slots=N'")
     return hosts
@@ -68,18 +71,22 @@ def _parse_line(content: str, path: str, line_number: int, line: str) -> tuple[s
     match = _SLOTS_RE.match(slots_field)
     if match is None:
         raise _line_error(path, line_number, line, "missing 'slots=N'" + _slots_hint(slots_field))
-    try:
-        num_slots = int(match.group(1))
-    except ValueError:
-        raise _line_error(
-            path, line_number, line, f"slots must be an integer, got '{match.group(1)}'"
-        ) from None
+    num_slots = decimal_or_none(match.group(1))
+    if num_slots is None:
+        reason = f"slots must be an integer in decimal digits, got '{match.group(1)}'"
+        raise _line_error(path, line_number, line, reason)
     if num_slots <= 0:
         raise _line_error(path, line_number, line, f"slots must be > 0, got {num_slots}")
     if num_slots > MAX_SLOTS_PER_HOST:
         reason = f"slots must be <= {MAX_SLOTS_PER_HOST} (slots per host), got {num_slots}"
         raise _line_error(path, line_number, line, reason)
     return host, num_slots
+
+
+def decimal_or_none(text: str) -> int | None:
+    """``text`` as an integer when it is ASCII digits (after an optional '-'), else None.
+    Python's int() also takes '2_0' (20), ' 2', '+2' and non-ASCII digits."""
+    return int(text) if _DIGITS_RE.match(text) else None
 
 
 def decode_lines(data: bytes, what: str) -> list[str]:
@@ -141,8 +148,8 @@ def parse_host_filter(spec: str, flag: str) -> dict[str, list[int] | None]:
         host, colon, slots = entry.strip().partition(":")
         if not host:
             raise ValueError(f"{flag} '{spec}': empty host in entry '{entry}'")
-        if host in result:
-            raise ValueError(f"{flag} '{spec}': host '{host}' appears twice")
+        if host.lower() in (h.lower() for h in result):
+            raise ValueError(f"{flag} '{spec}': host '{host}' appears twice (names ignore case)")
         if colon and not slots.strip():
             raise ValueError(
                 f"{flag} '{spec}': no slot ids after '{host}:'; write '{host}' for all its "
@@ -153,13 +160,14 @@ def parse_host_filter(spec: str, flag: str) -> dict[str, list[int] | None]:
 
 
 def _parse_slot_ids(slots: str, spec: str, flag: str) -> list[int]:
-    try:
-        slot_ids = [int(s) for s in slots.split(",")]
-    except ValueError:
-        raise ValueError(f"{flag} '{spec}': slot ids must be integers, got '{slots}'") from None
-    if any(s < 0 for s in slot_ids):
+    slot_ids = [decimal_or_none(s.strip()) for s in slots.split(",")]
+    if None in slot_ids:
+        raise ValueError(
+            f"{flag} '{spec}': slot ids must be integers in decimal digits, got '{slots}'"
+        )
+    if any(s < 0 for s in slot_ids):  # type: ignore[operator]
         raise ValueError(f"{flag} '{spec}': slot ids must be >= 0, got '{slots}'")
-    return slot_ids
+    return slot_ids  # type: ignore[return-value]
 
 
 def select_resources(
@@ -201,17 +209,24 @@ def select_resources(
     return pool
 
 
-def _check_known(pool: ResourcePool, host_filter, flag: str, source: str) -> None:
+def _check_known(pool: ResourcePool, host_filter, flag: str, source: str):
+    """``host_filter`` keyed by the pool's spelling of each host (names ignore case); a
+    ValueError for a host or slot not in the pool."""
+    spelled = {host.lower(): host for host in pool}
+    known = {}
     for host, slot_ids in host_filter.items():
-        if host not in pool:
+        if host.lower() not in spelled:
             raise ValueError(f"{flag}: host '{host}' is not in {source}: hosts {list(pool)}")
+        host = spelled[host.lower()]
         unknown = sorted(set(slot_ids or []) - set(pool[host]))
         if unknown:
             raise ValueError(f"{flag}: host '{host}' has no slot {unknown}; slots {pool[host]}")
+        known[host] = slot_ids
+    return known
 
 
 def _apply_include(pool: ResourcePool, host_filter, source: str) -> ResourcePool:
-    _check_known(pool, host_filter, "--include", source)
+    host_filter = _check_known(pool, host_filter, "--include", source)
     return {
         host: sorted(set(host_filter[host])) if host_filter[host] else list(slot_ids)
         for host, slot_ids in pool.items()
@@ -220,7 +235,7 @@ def _apply_include(pool: ResourcePool, host_filter, source: str) -> ResourcePool
 
 
 def _apply_exclude(pool: ResourcePool, host_filter, source: str) -> ResourcePool:
-    _check_known(pool, host_filter, "--exclude", source)
+    host_filter = _check_known(pool, host_filter, "--exclude", source)
     result: ResourcePool = {}
     for host, slot_ids in pool.items():
         if host in host_filter and host_filter[host] is None:

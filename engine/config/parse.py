@@ -215,6 +215,13 @@ def _checked(node: Any, key: str, where: str, depth: int = 1, walked: list | Non
         return {k: _checked(v, _join(key, k), where, depth + 1, walked) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
         return [_checked(v, _join(key, i), where, depth + 1, walked) for i, v in enumerate(node)]
+    if isinstance(node, _Yaml11Number):
+        raise ConfigError(
+            f"{where}'{key}: {node}' is a number in YAML 1.1 (010 is octal 8, 1:30 is base-60 "
+            "90, 0b11 is 3) but not in YAML 1.2 or JSON; see [Note: YAML numbers]. Write it "
+            "as a plain decimal number (no leading zero, underscore or colon), or quote it "
+            "to keep it as text."
+        )
     huge = isinstance(node, int) and not isinstance(node, bool) and abs(node) > _FLOAT_MAX
     if key == _INFINITY_MEANS_NEVER and is_plus_infinity(node):
         return node
@@ -279,12 +286,12 @@ def _mapping_from_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader with YAML 1.2 style floats and repeated keys detected.
+    """PyYAML's SafeLoader with YAML 1.2 numbers and repeated keys detected.
 
     YAML 1.1 (PyYAML) reads ``1e-3`` and ``5e8`` as strings because its float pattern needs a
     dot and a signed exponent; JSON and YAML 1.2 read them as numbers. DeepSpeed configs are
     written with JSON in mind, so every number in exponent notation here is a float: lr and
-    sizes alike.
+    sizes alike. See [Note: YAML numbers] for 010, 1:30 and the other YAML 1.1 numbers.
     """
 
     def __init__(self, stream: Any) -> None:
@@ -321,10 +328,69 @@ class _YamlLoader(yaml.SafeLoader):
 
 _YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
 _YamlLoader.add_constructor("tag:yaml.org,2002:map", _YamlLoader.construct_yaml_map)
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+|[-+]?\.[0-9][0-9_]*[eE][-+]?[0-9]+)$"
-    ),
-    list("-+.0123456789"),
+
+
+# [Note: YAML numbers]
+# PyYAML follows YAML 1.1, which reads 010 as 8 (octal), 1:30 as 90 (base 60), 0b11 as 3 and
+# 1_000 as 1000, and needs a dot in a float (1e-3 stays text). Here a number follows the YAML
+# 1.2 core schema, which JSON configs also follow: decimal integers, 0o octal, 0x hexadecimal,
+# floats with or without a dot or exponent, .inf and .nan. A plain scalar that YAML 1.1 reads
+# as a number in some other way is refused, naming its key: nobody can tell whether 010 meant
+# ten or eight, or 1:30 a time or ninety (JSON refuses a leading zero too). Such a scalar
+# becomes a _Yaml11Number, which _checked refuses with its dotted key.
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_YAML11_NUMBER_TAG = "tag:zero,2026:yaml-1.1-number"
+_INT_12 = re.compile(r"^(?:[-+]?(?:0|[1-9][0-9]*)|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT_12 = re.compile(
+    r"^(?![-+]?0[0-9]+$)(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+_LEADING_ZERO = re.compile(r"^[-+]?0[0-9]+$")  # 010: octal 8 in YAML 1.1, 10 in YAML 1.2
+
+
+class _Yaml11Number(str):
+    """A plain YAML scalar that YAML 1.1 reads as a number but YAML 1.2 does not (or reads
+    as another number); see [Note: YAML numbers]."""
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if not _INT_12.match(text):  # only an explicit !!int tag gets here unmatched
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not an integer", node.start_mark
+        )
+    if text[:2] in ("0o", "0x"):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node)
+    if not _FLOAT_12.match(text):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a float", node.start_mark
+        )
+    return float(text.lower().replace(".inf", "inf").replace(".nan", "nan"))
+
+
+def _yaml12_resolvers() -> dict[str, list[Any]]:
+    """SafeLoader's implicit resolvers with YAML 1.1's int and float patterns moved behind
+    YAML 1.2's and retagged as _YAML11_NUMBER_TAG."""
+    resolvers: dict[str, list[Any]] = {}
+    first_chars = list("-+.0123456789")
+    for char, pairs in yaml.SafeLoader.yaml_implicit_resolvers.items():
+        kept = [(t, r) for t, r in pairs if t not in (_INT_TAG, _FLOAT_TAG)]
+        if char in first_chars:
+            old = [(_YAML11_NUMBER_TAG, r) for t, r in pairs if t in (_INT_TAG, _FLOAT_TAG)]
+            old.append((_YAML11_NUMBER_TAG, _LEADING_ZERO))
+            kept = [(_INT_TAG, _INT_12), (_FLOAT_TAG, _FLOAT_12), *kept, *old]
+        resolvers[char] = kept
+    return resolvers
+
+
+_YamlLoader.yaml_implicit_resolvers = _yaml12_resolvers()
+_YamlLoader.add_constructor(_INT_TAG, _construct_int)
+_YamlLoader.add_constructor(_FLOAT_TAG, _construct_float)
+_YamlLoader.add_constructor(
+    _YAML11_NUMBER_TAG, lambda loader, node: _Yaml11Number(loader.construct_scalar(node))
 )

@@ -97,6 +97,34 @@ def test_duplicate_keys_are_errors_naming_key_and_file(tmp_path, name, text, key
     assert f"key {key} is given more than once" in message
 
 
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("train_micro_batch_size_per_gpu: 010\n", "train_micro_batch_size_per_gpu: 010"),
+        ("train_micro_batch_size_per_gpu: 4\ngradient_accumulation_steps: 1:30\n", "1:30"),
+        ("train_micro_batch_size_per_gpu: 0b11\n", "0b11"),
+        ("train_micro_batch_size_per_gpu: 4\nsteps_per_print: 1_000\n", "steps_per_print"),
+        ("train_micro_batch_size_per_gpu: 4\noptimizer: {params: {lr: 1:30.5}}\n", "params.lr"),
+    ],
+)
+def test_yaml_1_1_numbers_are_refused(tmp_path, text, key):
+    # YAML 1.1 reads 010 as 8 and 1:30 as 90; YAML 1.2 and JSON do not (issue 42).
+    message = file_error(tmp_path, "c.yaml", text)
+    assert key in message and "YAML 1.1" in message
+
+
+def test_yaml_numbers_follow_yaml_1_2(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "train_micro_batch_size_per_gpu: 0x10\ngradient_accumulation_steps: 0o10\n"
+        "steps_per_print: 10\noptimizer: {type: SGD, params: {lr: .5, momentum: 1., "
+        "weight_decay: '010'}}\n"
+    )
+    config = load_config(path)
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (16, 8)
+    assert dict(config.optimizer.params) == {"lr": 0.5, "momentum": 1.0, "weight_decay": "010"}
+
+
 def test_yaml_merge_key_may_be_overridden(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(

@@ -35,6 +35,9 @@ def test_parse_good_hostfile_keeps_order_and_skips_comments(tmp_path):
         ("worker-1 slots=", "missing 'slots=N'"),
         ("worker-1 slots=two", "slots must be an integer"),
         ("worker-1 slots=1.5", "slots must be an integer"),
+        ("worker-1 slots=2_0", "slots must be an integer in decimal digits, got '2_0'"),
+        ("worker-1 slots=+2", "slots must be an integer"),
+        ("WORKER-0 slots=1", "listed twice (as 'worker-0'; host names ignore case)"),
         ("worker-1 slots=0", "slots must be > 0"),
         ("worker-1 slots=-2", "slots must be > 0"),
         ("worker-1 slots=2 extra", "expected 'hostname slots=N'"),
@@ -101,6 +104,9 @@ POOL = {"a": [0, 1, 2, 3], "b": [0, 1, 2, 3], "c": [0, 1]}
 def test_include_hosts_and_slots():
     assert parse_host_filter("a:0,2@c", "--include") == {"a": [0, 2], "c": None}
     assert select_resources(POOL, include="c@a:2,0") == {"a": [0, 2], "c": [0, 1]}
+    # Host names ignore case; the hostfile's spelling is kept.
+    assert select_resources(POOL, include="C@A:2,0") == {"a": [0, 2], "c": [0, 1]}
+    assert select_resources(POOL, exclude="B@A") == {"c": [0, 1]}
 
 
 def test_exclude_hosts_and_slots():
@@ -120,6 +126,8 @@ def test_num_nodes_and_num_gpus_take_the_first():
         ({"include": "z"}, "host 'z' is not in the hostfile"),
         ({"exclude": "a:7"}, "has no slot"),
         ({"include": "a:x"}, "must be integers"),
+        ({"include": "a:1_0"}, "must be integers"),
+        ({"include": "a@A"}, "host 'A' appears twice"),
         ({"num_nodes": 4}, "--num_nodes must be in 1..3"),
         ({"num_gpus": 3}, "exceeds the 2 slots of host 'c'"),
         ({"exclude": "a@b@c"}, "no host left"),
