@@ -75,7 +75,7 @@ setup(
         "psutil>=5.9",
         "ninja>=1.11",
         "py-cpuinfo>=9.0",
-        "safetensors>=0.4",
+        "safetensors>=0.8",  # safe_open(backend="pread"): reader.py, partition/init.py
         "numpy",  # safetensors.torch.save_file converts through numpy
         "tqdm>=4.66",
     ],
@@ -94,7 +94,7 @@ setup(
         ],
         # `pip install zero[hf]`: fine-tune Hugging Face models (docs/hf-models.md); tested with
         # transformers 5.24, peft 0.21, accelerate 1.15
-        "hf": ["transformers>=4.46", "peft>=0.13", "accelerate>=1.0", "safetensors>=0.4"],
+        "hf": ["transformers>=4.46", "peft>=0.13", "accelerate>=1.0", "safetensors>=0.8"],
     },
     entry_points={
         "console_scripts": [

@@ -29,7 +29,7 @@ from .format import META, MODULE_FILE, SAFETENSORS_DTYPES, CheckpointError, rank
 from .ownership import _numel
 from .reader import read_meta, resolve
 from .safetensors_io import SafetensorsReader, ShardedWriter
-from .validation import verify_checksums
+from .validation import verify_checksums, verify_layout
 
 
 class _Pieces:
@@ -143,6 +143,7 @@ class ConsolidatedReader:
         meta = read_meta(path)
         if verify:
             verify_checksums(path, meta, meta["files"])
+        verify_layout(path, meta, meta["files"])
         self.path, self.state, self.ties = path, state, dict(meta["ties"])
         self.frozen = None if meta.get("frozen") is None else set(meta["frozen"])
         self._pieces = _Pieces(path, meta, state)

@@ -19,6 +19,8 @@ the JSON form of the values in it, and the safetensors dtype tables. Which eleme
 file holds is in ownership.py; how the files are written and published is in files.py.
 """
 
+import hashlib
+import json
 import math
 import os
 import random
@@ -96,6 +98,28 @@ def optimizer_name(optimizer) -> str:
 # listed name that the loading model trains, or a frozen parameter missing from a checkpoint
 # that does not list it, stays a "missing keys" CheckpointError (with load_module_strict=True;
 # strict=False keeps current values for missing frozen parameters and buffers, as before).
+
+# [Note: the layout bound to the bytes]
+# meta.json says where each tensor lives: the parameters' names, shapes and order in each group
+# (which element range is which parameter), the ranges each rank file holds, the tied names and
+# the frozen ones. An edit that swaps two ranks' ranges, two same-shape names or the order of
+# the parameters breaks no schema rule and no file's crc32, yet loads every value into another
+# parameter. So every safetensors file of a checkpoint records, in its header metadata
+# (LAYOUT_METADATA), the sha256 of that part of meta.json as the save computed it
+# (layout_digest); the load checks it for every file a rank reads, and consolidation for every
+# file, before anything is read or changed (validation.verify_layout). An edit of the header
+# changes the file's crc32. Checkpoints of versions before the digest have none: nothing to check.
+LAYOUT_KEYS = ("world_size", "groups", "ties", "ranks", "frozen", "excluded_frozen")
+LAYOUT_METADATA = "zero.layout_sha256"
+
+
+def layout_digest(meta: dict) -> str:
+    """sha256 (64 hex digits) of meta's LAYOUT_KEYS, canonical JSON ([Note: the layout bound to
+    the bytes]); a key meta lacks counts as null."""
+    layout = {key: meta.get(key) for key in LAYOUT_KEYS}
+    text = json.dumps(layout, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
 
 # ----- meta.json schema -----------------------------------------------------------------------
 # [Note: meta.json schema] Every key meta.json must have, with its JSON type; read_meta

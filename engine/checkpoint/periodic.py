@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -42,14 +43,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .agreement import _on_every_rank, _on_rank_0
+from .agreement import _on_every_rank, _on_rank_0, _share_text
 from .files import _create_json, _write_shard
-from .format import LATEST, MODULE_FILE, CheckpointError, rank_file
+from .format import LATEST, LAYOUT_METADATA, MODULE_FILE, CheckpointError, layout_digest, rank_file
 from .reader import read_meta, resolve
+from .validation import verify_checksums, verify_layout
 from .writer import (
     _agree_on_tag,
     _check_inputs,
     _finish,
+    _layout,
     _meta,
     _prepare,
     module_file_tensors,
@@ -91,6 +94,7 @@ class _Snapshot:
     meta: dict | None  # rank 0 only; files and crc32 are filled in once every rank wrote
     device_event: object  # a device event the copies were queued before, or None
     wait_timeout_s: float
+    digest: str  # [Note: the layout bound to the bytes] in format.py
 
 
 class AsyncSave:
@@ -126,7 +130,9 @@ class AsyncSave:
             written = {rank_file(snap.rank): self._write(tmp)}
             if snap.rank == 0:
                 written[MODULE_FILE] = _write_shard(
-                    snap.module_tensors, os.path.join(tmp, MODULE_FILE)
+                    snap.module_tensors,
+                    os.path.join(tmp, MODULE_FILE),
+                    {LAYOUT_METADATA: snap.digest},
                 )
                 self._publish(tmp, written)
             else:
@@ -291,7 +297,8 @@ def snapshot(state, save_dir: str, wait_timeout_s: float) -> _Snapshot:
     tag = _agree_on_tag(state, tag)
     _on_rank_0(state, f"prepare {os.path.join(save_dir, tag)}.tmp", lambda: _prepare(save_dir, tag))
     rank = state.comm.rank
-    tensors, metadata = rank_file_tensors(state, loader_state, snapshot=True)
+    digest = layout_digest(_layout(state, None))
+    tensors, metadata = rank_file_tensors(state, loader_state, True, digest)
     frozen = _frozen_full_values(state)
     module_tensors = meta = None
     if rank == 0:
@@ -312,6 +319,7 @@ def snapshot(state, save_dir: str, wait_timeout_s: float) -> _Snapshot:
         meta,
         event,
         wait_timeout_s,
+        digest,
     )
 
 
@@ -321,22 +329,31 @@ def _frozen_full_values(state) -> dict:
 
 
 def resume_latest(state, save_dir: str, load):
-    """Load the checkpoint `latest` names in save_dir with load(save_dir) (the engine's
-    load_checkpoint) into the training state `state`, saved at any world size; a save_dir
-    without `latest` (a first run) loads nothing. Returns (checkpoint directory, client_state),
-    or (None, None) when nothing was loaded.
+    """Load the checkpoint to resume in save_dir ([Note: what auto_resume resumes]) with
+    load(save_dir, tag=tag) (the engine's load_checkpoint) into the training state `state`,
+    saved at any world size; a save_dir without checkpoints (a first run) loads nothing.
+    Returns (checkpoint directory, client_state), or (None, None) when nothing was loaded.
 
-    Collective: every rank calls it. The global batch (train_batch_size) must be the one the
-    checkpoint was saved with: gradient_accumulation_steps is derived anew for the new world
-    size when the config gives train_batch_size and train_micro_batch_size_per_gpu only.
-    Raises ValueError naming both sizes when train_batch_size differs, and what
-    Engine.load_checkpoint raises. Logs (rank 0) the step resumed at, the previous and the new
-    world size and gradient accumulation steps, and TORCHELASTIC_RESTART_COUNT when set.
+    Collective: every rank calls it; rank 0 decides what to resume and tells the others. The
+    global batch (train_batch_size) must be the one the checkpoint was saved with:
+    gradient_accumulation_steps is derived anew for the new world size when the config gives
+    train_batch_size and train_micro_batch_size_per_gpu only. Raises ValueError naming both
+    sizes when train_batch_size differs, CheckpointError (every rank) when `latest` is not a
+    file and the newest global_step<N> checkpoint is not complete and intact, or `latest` is a
+    directory, and what Engine.load_checkpoint raises. Logs (rank 0) the step resumed at, the
+    previous and the new world size and gradient accumulation steps, and
+    TORCHELASTIC_RESTART_COUNT when set.
     """
-    if not os.path.isfile(os.path.join(save_dir, LATEST)):
+    chosen = _on_rank_0(
+        state, f"choose the checkpoint to resume in {save_dir}", lambda: _tag_to_resume(save_dir)
+    )
+    tag = chosen or ""
+    if state.comm.world_size > 1:
+        tag = _share_text(state, tag, src=0)  # a checked tag fits the message buffer whole
+    if not tag:
         logger.info("auto_resume: no checkpoint in %s yet; starting from step 0", save_dir)
         return None, None
-    meta = read_meta(resolve(save_dir, None))
+    meta = read_meta(resolve(save_dir, tag))
     saved = meta["config"]
     config = state.config
     if saved.get("train_batch_size") != config.train_batch_size:
@@ -352,7 +369,7 @@ def resume_latest(state, save_dir: str, load):
             "gradient_accumulation_steps, so zero derives it for each world size (train_batch_size "
             "must be a multiple of micro-batch x world size)"
         )
-    path, client_state = load(save_dir)
+    path, client_state = load(save_dir, tag=tag)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     logger.info(
         "resumed from %s at step %d: world size %d -> %d, gradient_accumulation_steps %s -> %d%s",
@@ -365,6 +382,50 @@ def resume_latest(state, save_dir: str, load):
         f" (restart {restart} of the elastic job)" if restart not in (None, "0") else "",
     )
     return path, client_state
+
+
+# [Note: what auto_resume resumes]
+# A regular file `latest` names the tag, as for load_checkpoint. Without one (missing, or a link
+# to nothing: a cleanup job or a copy that dropped it), starting from step 0 would have the
+# periodic saves write over the checkpoints already there, so the newest global_step<N> is
+# resumed, once its meta.json, sizes, crc32s and layout pass (validation.py); when it does not
+# pass, or is not complete, the resume is refused rather than falling back to an older one,
+# whose run would write over the newest at its step. A directory `latest` is refused: no save
+# could replace it. Rank 0 alone looks and shares the tag, so ranks that see save_dir at
+# different moments still resume the same checkpoint.
+_PERIODIC_TAG = re.compile(r"global_step(0|[1-9][0-9]*)(\.old)?")
+
+
+def _tag_to_resume(save_dir: str) -> str | None:
+    """Rank 0: the tag to resume in save_dir, or None for a first run; see [Note: what
+    auto_resume resumes]. Raises CheckpointError."""
+    latest = os.path.join(save_dir, LATEST)
+    if os.path.isfile(latest):
+        return os.path.basename(resolve(save_dir, None)).removesuffix(".old")
+    if os.path.isdir(latest):
+        raise CheckpointError(
+            f"{latest} is a directory; a save cannot replace it with the file that names the "
+            "newest checkpoint. Remove or rename it, then start again"
+        )
+    names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
+    steps = [int(m.group(1)) for m in map(_PERIODIC_TAG.fullmatch, names) if m]
+    if not steps:
+        return None
+    tag = f"global_step{max(steps)}"
+    why = "is missing" if not os.path.lexists(latest) else "is a link to nothing"
+    try:
+        path = resolve(save_dir, tag)
+        meta = read_meta(path)
+        verify_checksums(path, meta, meta["files"])
+        verify_layout(path, meta, meta["files"])
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"{latest} {why} and the newest checkpoint, {tag}, does not pass its checks "
+            f"({error}); resuming an older one would have this run write over {tag}. Restore "
+            f"{tag}, or remove it (or write the tag to resume into {latest})"
+        ) from None
+    logger.warning("auto_resume: %s %s; resuming the newest checkpoint, %s", latest, why, tag)
+    return tag
 
 
 __all__ = ["AsyncSave", "PeriodicCheckpointer", "resume_latest", "snapshot"]

@@ -50,6 +50,7 @@ from .validation import (
     deepspeed_checkpoint_files,
     deepspeed_checkpoint_message,
     verify_checksums,
+    verify_layout,
 )
 
 logger = logging.getLogger("zero")
@@ -166,11 +167,20 @@ def _refuse_constant(name: str):
 
 
 def _open(path: str, name: str):
+    """[Note: no file is mapped]: safetensors' positioned-read backend, not mmap."""
     file = os.path.join(path, name)
     try:
-        return safe_open(file, framework="pt")
+        return safe_open(file, framework="pt", backend="pread")
     except Exception as error:
         raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+
+
+# [Note: no file is mapped]
+# A mapped file that shrinks after it was opened (a copy or a cleanup job truncating it, a
+# network file system) kills the reading process with SIGBUS when it touches a page past the new
+# end: no message, no agreement, the other ranks wait. So every file is read with positioned
+# reads (safetensors' "pread" backend), where a file that ends early is an exception; the reads
+# after the checks run through _on_every_rank, so every rank raises, naming the file.
 
 
 class GroupReader:
@@ -262,7 +272,14 @@ class GroupReader:
         """Fill `out` (1-D, fp32) with elements [begin, begin + out.numel())."""
         for sa, sb, at in self._saved_ranges(group, begin, begin + out.numel()):
             for a, b, lo, file, key in self._overlaps(group, kind, sa, sb):
-                piece = self._handle(file).get_slice(key)[a - lo : b - lo]
+                try:
+                    piece = self._handle(file).get_slice(key)[a - lo : b - lo]
+                except Exception as error:  # safetensors' SafetensorError: the file shrank
+                    raise CheckpointError(
+                        f"{os.path.join(self.path, file)}: tensor '{key}' cannot be read "
+                        f"({error}): the file changed after it was verified (truncated or "
+                        "replaced while this load read it; [Note: no file is mapped])"
+                    ) from None
                 out[at + a - sa : at + b - sa].copy_(piece)
 
     def read(self, group: int, kind: str, begin: int, end: int) -> torch.Tensor:
@@ -304,7 +321,23 @@ def load(state, load_dir, tag, strict, load_optimizer, load_scheduler, module_on
             len(kept),
             listed(kept),
         )
-    # Verified: from here on state changes. Values are read straight into their destinations.
+    # Verified: from here on state changes. Values are read straight into their destinations;
+    # a file that shrinks meanwhile is an error on every rank ([Note: no file is mapped]).
+    _on_every_rank(
+        state,
+        f"read {path} (the engine's weights are partly loaded: load a checkpoint again "
+        "before training)",
+        lambda: _read_values(state, meta, reader, owned, kinds, load_optimizer, module_values),
+    )
+    with torch.no_grad():
+        state.optimizer.refresh_params()  # collective: after every rank read its part
+    if not module_only:
+        _apply_training_state(state, meta, load_optimizer, load_scheduler)
+        rank_state.apply_rng(state, meta, saved, path)
+    return path, meta["client_state"]
+
+
+def _read_values(state, meta, reader, owned, kinds, load_optimizer, module_values) -> None:
     with torch.no_grad():
         _read_shards(state, meta, reader, owned, kinds, load_optimizer)
         for tensor, value in module_values:
@@ -314,11 +347,6 @@ def load(state, load_dir, tag, strict, load_optimizer, load_scheduler, module_on
                 tensor.copy_(value.to(tensor.dtype))
         if state.gatherer is not None:
             state.gatherer.forget_writes()  # the checkpoint's values replace them
-        state.optimizer.refresh_params()
-    if not module_only:
-        _apply_training_state(state, meta, load_optimizer, load_scheduler)
-        rank_state.apply_rng(state, meta, saved, path)
-    return path, meta["client_state"]
 
 
 # [Note: a tag replaced during a load]
@@ -430,10 +458,11 @@ def _verify_version(state, path, strict, load_optimizer, load_scheduler, module_
         for lo, hi, bucket in ranges
     ]
     wants_loader = not module_only and state.stateful_loader() is not None
+    files = {MODULE_FILE} | {f for g, lo, hi, _ in owned for f in reader.files(g, lo, hi)}
+    files |= rank_state.files_to_read(meta, state.comm.rank, wants_loader)
     if state.config.checkpoint.verify_checksums:
-        files = {MODULE_FILE} | {f for g, lo, hi, _ in owned for f in reader.files(g, lo, hi)}
-        files |= rank_state.files_to_read(meta, state.comm.rank, wants_loader)
         verify_checksums(path, meta, files)
+    verify_layout(path, meta, files)
     laid_out = _laid_out_ids(state)
     module_values, module_problems, kept = _read_module_file(path, state, laid_out, strict, meta)
     problems = layout_problems + module_problems + _trained_but_excluded(meta, slots)

@@ -69,25 +69,7 @@ def read_header(file: str) -> tuple[int, dict]:
     header is at most HEADER_LIMIT bytes of JSON, every dtype is known, and every tensor's bytes
     lie inside the file and match its shape; raises CheckpointError naming the file and the
     tensor. Reads the header only."""
-    try:
-        with open(file, "rb") as handle:
-            prefix = handle.read(8)
-            size = os.fstat(handle.fileno()).st_size
-            if len(prefix) < 8:
-                raise CheckpointError(f"{file}: not a safetensors file (under 8 bytes)")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > min(HEADER_LIMIT, size - 8):
-                raise CheckpointError(
-                    f"{file}: not a safetensors file (its header claims {length} bytes; the "
-                    f"file has {size}, and headers are at most {HEADER_LIMIT})"
-                )
-            header = json.loads(handle.read(length))
-    except OSError as error:
-        raise CheckpointError(f"{file}: cannot be read ({error})") from None
-    except ValueError as error:
-        raise CheckpointError(f"{file}: not a safetensors file ({error})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: not a safetensors file (its header is not a mapping)")
+    length, size, header = _json_header(file)
     data_start, entries = 8 + length, {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -112,6 +94,39 @@ def read_header(file: str) -> tuple[int, dict]:
             )
         entries[str(name)] = (dtype, shape, begin, end)
     return data_start, entries
+
+
+def read_metadata(file: str) -> dict:
+    """The "__metadata__" mapping (str -> str) of one safetensors file's header ({} when it has
+    none). Raises CheckpointError naming the file. Reads the header only."""
+    metadata = _json_header(file)[2].get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{file}: its header's __metadata__ is not a mapping")
+    return metadata
+
+
+def _json_header(file: str) -> tuple[int, int, dict]:
+    """(header length, file size, the header as JSON: a mapping); CheckpointError otherwise."""
+    try:
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            size = os.fstat(handle.fileno()).st_size
+            if len(prefix) < 8:
+                raise CheckpointError(f"{file}: not a safetensors file (under 8 bytes)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(HEADER_LIMIT, size - 8):
+                raise CheckpointError(
+                    f"{file}: not a safetensors file (its header claims {length} bytes; the "
+                    f"file has {size}, and headers are at most {HEADER_LIMIT})"
+                )
+            header = json.loads(handle.read(length))
+    except OSError as error:
+        raise CheckpointError(f"{file}: cannot be read ({error})") from None
+    except ValueError as error:
+        raise CheckpointError(f"{file}: not a safetensors file ({error})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: not a safetensors file (its header is not a mapping)")
+    return length, size, header
 
 
 class SafetensorsReader:

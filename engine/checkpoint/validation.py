@@ -12,7 +12,8 @@ import re
 
 from .agreement import enter
 from .files import file_crc32
-from .format import LATEST, META, CheckpointError, _jsonable
+from .format import LATEST, LAYOUT_METADATA, META, CheckpointError, _jsonable, layout_digest
+from .safetensors_io import read_metadata
 
 logger = logging.getLogger("zero")
 
@@ -54,6 +55,25 @@ def verify_checksums(path: str, meta: dict, names) -> None:
                 f"{file}: crc32 {found}, but {META} recorded {recorded[name]}: the file's bytes "
                 "changed after it was saved (storage or copy corruption); restore it, or load "
                 "another checkpoint"
+            )
+
+
+def verify_layout(path: str, meta: dict, names) -> None:
+    """Check that each file in `names` records the layout meta.json describes ([Note: the layout
+    bound to the bytes] in format.py); a file without the record (an older zero's) passes. Raises
+    CheckpointError naming the file. Reads each file's header only."""
+    described = layout_digest(meta)
+    for name in sorted(names):
+        file = os.path.join(path, name)
+        recorded = read_metadata(file).get(LAYOUT_METADATA)
+        if recorded is not None and recorded != described:
+            raise CheckpointError(
+                f"{file} was saved with another layout than {META} describes (sha256 "
+                f"{str(recorded)[:12]}... recorded in the file, {described[:12]}... of {META}'s "
+                "world_size, groups, ties, ranks and frozen parameters): meta.json was edited "
+                "after the save (parameter names, shapes or order, or a rank's ranges, moved) or "
+                "belongs to another checkpoint, and would load values into the wrong "
+                "parameters. Restore the meta.json saved with these files; nothing was loaded"
             )
 
 

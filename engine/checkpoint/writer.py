@@ -30,12 +30,14 @@ from .files import (
 from .format import (
     FORMAT,
     LATEST,
+    LAYOUT_METADATA,
     META,
     MODULE_FILE,
     CheckpointError,
     _check_tag,
     _jsonable,
     holds_gradients,
+    layout_digest,
     optimizer_name,
     rank_file,
 )
@@ -83,10 +85,11 @@ def save(
         # (unless they are all left out).
         gather = state.frozen is not None and not exclude_frozen
         frozen = state.frozen.full_values() if gather else {}
+        digest = layout_digest(_layout(state, excluded))
         written = _on_every_rank(
             state,
             f"write {tmp}",
-            lambda: _write_files(state, tmp, frozen, excluded or {}, loader_state),
+            lambda: _write_files(state, tmp, frozen, excluded or {}, loader_state, digest),
         )
         files, crcs = _gather_files(state, written)
 
@@ -242,10 +245,18 @@ def _scheduler_state(state):
     return scheduler_state
 
 
-def _write_files(state, directory: str, frozen: dict, excluded: dict, loader_state) -> dict:
-    written = {rank_file(state.comm.rank): _write_rank_file(state, directory, loader_state)}
+def _write_files(
+    state, directory: str, frozen: dict, excluded: dict, loader_state, digest: str
+) -> dict:
+    """Each rank its rank file, rank 0 also module.safetensors; `digest`: layout_digest of
+    meta.json's layout, recorded in every file ([Note: the layout bound to the bytes])."""
+    path = os.path.join(directory, rank_file(state.comm.rank))
+    tensors, metadata = rank_file_tensors(state, loader_state, False, digest)
+    written = {rank_file(state.comm.rank): _write_shard(tensors, path, metadata)}
     if state.comm.rank == 0:
-        written[MODULE_FILE] = _write_module_file(state, directory, frozen, excluded)
+        tensors = module_file_tensors(state, frozen, excluded, snapshot=False)
+        path = os.path.join(directory, MODULE_FILE)
+        written[MODULE_FILE] = _write_shard(tensors, path, {LAYOUT_METADATA: digest})
     return written
 
 
@@ -278,19 +289,14 @@ def _sharded_state_keys(state) -> list[str]:
     return sorted(keys)
 
 
-def _write_rank_file(state, directory: str, loader_state) -> tuple[int, str]:
-    """rank<r>.safetensors: this rank's shards and its per-rank state ([Note: per-rank state]
-    in format.py)."""
-    tensors, metadata = rank_file_tensors(state, loader_state, snapshot=False)
-    path = os.path.join(directory, rank_file(state.comm.rank))
-    return _write_shard(tensors, path, metadata)
-
-
-def rank_file_tensors(state, loader_state, snapshot: bool) -> tuple[dict, dict]:
-    """(tensors, metadata) of this rank's rank<r>.safetensors. `snapshot`: every tensor is a
-    host copy that later training does not change (periodic.py writes it from a thread);
-    otherwise a CPU master shard is written from its own memory, without a copy."""
+def rank_file_tensors(state, loader_state, snapshot: bool, digest: str) -> tuple[dict, dict]:
+    """(tensors, metadata) of this rank's rank<r>.safetensors: its shards and its per-rank state
+    ([Note: per-rank state] in format.py), and `digest` ([Note: the layout bound to the bytes]).
+    `snapshot`: every tensor is a host copy that later training does not change (periodic.py
+    writes it from a thread); otherwise a CPU master shard is written from its own memory,
+    without a copy."""
     tensors, metadata = rank_state.capture(state.device, loader_state)
+    metadata = {**(metadata or {}), LAYOUT_METADATA: digest}
     shard = _written_shard(state.optimizer.layout, state.comm.rank)
     if shard is None:
         return tensors, metadata
@@ -326,17 +332,11 @@ def _host_value(value, copy: bool):
     return host
 
 
-def _write_module_file(state, directory: str, frozen: dict, excluded: dict) -> tuple[int, str]:
-    """module.safetensors: frozen and empty parameters and buffers; `frozen` maps id(param) to
-    the full value of a stage-3 partitioned frozen parameter; the parameters of `excluded`
-    (name -> frozen parameter) are left out."""
-    tensors = module_file_tensors(state, frozen, excluded, snapshot=False)
-    return _write_shard(tensors, os.path.join(directory, MODULE_FILE))
-
-
 def module_file_tensors(state, frozen: dict, excluded: dict, snapshot: bool) -> dict:
-    """The tensors of module.safetensors (see _write_module_file); `snapshot`: host copies
-    that later training does not change."""
+    """The tensors of module.safetensors: frozen and empty parameters and buffers; `frozen` maps
+    id(param) to the full value of a stage-3 partitioned frozen parameter; the parameters of
+    `excluded` (name -> frozen parameter) are left out. `snapshot`: host copies that later
+    training does not change."""
     laid_out = _laid_out_ids(state)
     seen = {id(param) for param in excluded.values()}
     tensors = {}
@@ -356,27 +356,15 @@ def _meta(
 ) -> dict:
     """meta.json's contents; `excluded`: name -> frozen parameter left out of the checkpoint, or
     None when the save did not ask for that (then meta.json has no `excluded_frozen`)."""
-    left_out = {id(param) for param in (excluded or {}).values()}
     optimizer = state.optimizer.optimizer
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    ranks = {}
-    for rank in range(state.comm.world_size):
-        shard = _written_shard(state.optimizer.layout, rank)
-        ranges = {} if shard is None else owned_ranges(state.optimizer.buckets, shard)
-        ranks[str(rank)] = {str(g): [[lo, hi] for lo, hi, _ in r] for g, r in ranges.items()}
-    meta = {
+    return {
         "format": FORMAT,
         "tag": tag,
         "config": state.config.to_dict(),
-        "world_size": state.comm.world_size,
         "stage": state.config.zero.stage,
         "compute_dtype": str(state.config.compute_dtype).replace("torch.", ""),
-        "groups": [
-            [{"name": s.name, "shape": list(s.shape)} for s in slots]
-            for slots in _group_slots(state)
-        ],
-        "ties": _ties(state.module, left_out),
-        "ranks": ranks,
+        **_layout(state, excluded),
         "optimizer": optimizer_name(state.optimizer.optimizer),
         "sharded_state": _sharded_state_keys(state),
         "scalar_state": _scalar_state(state),
@@ -387,12 +375,32 @@ def _meta(
         "client_state": client_state,
         "files": files,
         "crc32": crcs,
-        "frozen": [name for name, param in _frozen_params(state) if id(param) not in left_out],
         "at_accumulation_boundary": True,  # save refused otherwise
     }
+
+
+def _layout(state, excluded) -> dict:
+    """meta.json's LAYOUT_KEYS ([Note: the layout bound to the bytes]), the same on every rank:
+    each rank computes it to record its digest in its own file. `excluded` as in _meta."""
+    left_out = {id(param) for param in (excluded or {}).values()}
+    ranks = {}
+    for rank in range(state.comm.world_size):
+        shard = _written_shard(state.optimizer.layout, rank)
+        ranges = {} if shard is None else owned_ranges(state.optimizer.buckets, shard)
+        ranks[str(rank)] = {str(g): [[lo, hi] for lo, hi, _ in r] for g, r in ranges.items()}
+    layout = {
+        "world_size": state.comm.world_size,
+        "groups": [
+            [{"name": s.name, "shape": list(s.shape)} for s in slots]
+            for slots in _group_slots(state)
+        ],
+        "ties": _ties(state.module, left_out),
+        "ranks": ranks,
+        "frozen": [name for name, param in _frozen_params(state) if id(param) not in left_out],
+    }
     if excluded is not None:
-        meta["excluded_frozen"] = list(excluded)
-    return meta
+        layout["excluded_frozen"] = list(excluded)
+    return layout
 
 
 def _frozen_params(state) -> list[tuple[str, object]]:

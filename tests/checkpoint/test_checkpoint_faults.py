@@ -503,3 +503,85 @@ def test_one_ranks_failure_reaches_every_rank_at_once(tmp_path):
         assert "meta.json: key 'lr_scheduler' lacks" in out["load bad meta"][1]
         assert out["loaded"] == 1
         assert not any("different checkpoint tags" in w for w in warnings), (rank, warnings)
+
+
+# ----- meta.json edits that move tensors, files that shrink while read (issue 42) -------------
+def swap_ranks(meta):
+    meta["ranks"]["0"], meta["ranks"]["1"] = meta["ranks"]["1"], meta["ranks"]["0"]
+
+
+def swap_names(meta):  # two parameters of the same shape
+    first, second = meta["groups"][1][0], meta["groups"][1][1]
+    assert first["shape"] == second["shape"]
+    first["name"], second["name"] = second["name"], first["name"]
+
+
+LAYOUT_EDITS = {
+    "swap two ranks' ranges": swap_ranks,
+    "swap two same-shape names": swap_names,
+    "reverse the parameter order": lambda meta: meta["groups"][0].reverse(),
+    "a crafted ties entry": lambda meta: meta["ties"].update({"alias.weight": "out.weight"}),
+}
+
+
+def hostile_layouts(root):
+    """On 2 ranks: loads of a checkpoint whose meta.json moved tensors, and of one whose rank
+    file shrinks after it was verified and opened."""
+    import torch.distributed as dist
+
+    import zero.checkpoint.reader as reader
+
+    engine = make_engine(2)
+    train(engine, global_batches(1))
+    engine.save_checkpoint(os.path.join(root, "good"), tag="T")
+    rank, out, before = engine.rank, {}, snapshot(engine)
+    for name, edit in LAYOUT_EDITS.items():
+        case = os.path.join(root, name.replace(" ", "_").replace("'", ""))
+        if rank == 0:
+            shutil.copytree(os.path.join(root, "good"), case)
+            edit_meta(os.path.join(case, "T"), edit)
+        dist.barrier()
+        out[name] = attempt(engine, lambda case=case: engine.load_checkpoint(case))[1]
+        assert_same(snapshot(engine), before, name)
+    # rank1.safetensors is truncated once rank 1 verified and opened it (with the file mapped,
+    # reading it killed rank 1 with SIGBUS).
+    agree = reader._agree_on_version
+
+    def truncate_after_verify(engine, path, version):
+        if rank == 1:
+            file = os.path.join(path, "rank1.safetensors")
+            os.truncate(file, os.path.getsize(file) // 2)
+        agree(engine, path, version)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reader, "_agree_on_version", truncate_after_verify)
+        shrunk = os.path.join(root, "shrunk")
+        if rank == 0:
+            shutil.copytree(os.path.join(root, "good"), shrunk)
+        dist.barrier()
+        out["shrunk"] = attempt(engine, lambda: engine.load_checkpoint(shrunk))[1]
+    fresh = make_engine(2)
+    fresh.load_checkpoint(os.path.join(root, "good"))
+    out["loaded"] = fresh.global_steps
+    return out
+
+
+def test_layout_edits_and_shrinking_files_are_refused_on_every_rank(tmp_path):
+    results = run_ranks(hostile_layouts, 2, str(tmp_path), timeout=300)
+    for rank, out in enumerate(results):
+        for name in LAYOUT_EDITS:
+            assert "was saved with another layout than meta.json describes" in out[name], (
+                rank,
+                name,
+                out[name],
+            )
+        assert "rank1.safetensors: tensor 'group" in out["shrunk"], (rank, out["shrunk"])
+        assert "changed after it was verified" in out["shrunk"], out["shrunk"]
+        assert rank == 1 or "rank 0: rank 1 failed to read" in out["shrunk"], out["shrunk"]
+        assert out["loaded"] == 1
+    # Consolidation (zero-to-fp32) refuses the same edits, the ties entry included.
+    assert ckpt.consolidate(str(tmp_path / "good"))
+    for name in LAYOUT_EDITS:
+        case = tmp_path / name.replace(" ", "_").replace("'", "")
+        with pytest.raises(CheckpointError, match="saved with another layout"):
+            ckpt.consolidate(str(case), verify=False)

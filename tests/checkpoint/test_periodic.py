@@ -126,3 +126,72 @@ def test_periodic_keys_need_save_dir():
     for key, value in (("save_interval_steps", 10), ("save_interval_minutes", 5.0)):
         with pytest.raises(ConfigError, match=f"checkpoint.{key} is set but checkpoint.save_dir"):
             load_config({"train_batch_size": 1, "checkpoint": {key: value}})
+
+
+def _tag_inodes(save_dir):
+    return {
+        name: os.stat(os.path.join(save_dir, name)).st_ino
+        for name in sorted(os.listdir(save_dir))
+        if name.startswith("global_step")
+    }
+
+
+def _resume_without_latest(root):
+    """auto_resume when `latest` is missing, a link to nothing or a directory, when the newest
+    checkpoint is damaged, and when rank 1 does not see `latest` (issue 42)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from zero.checkpoint import CheckpointError
+
+    rank = int(os.environ["RANK"])
+    saved = os.path.join(root, "saved")
+    config = {**_config(saved, save_interval_steps=2, async_save=False), "agreement_timeout": 30}
+    _, final, _ = _train(config, STEPS)
+    out = {}
+    for case in ("missing", "dangling", "directory", "damaged", "unseen on rank 1"):
+        save_dir = os.path.join(root, case.replace(" ", "_"))
+        if rank == 0:
+            shutil.copytree(saved, save_dir, symlinks=True)
+            latest = os.path.join(save_dir, "latest")
+            if case != "unseen on rank 1":
+                os.remove(latest)
+            if case == "dangling":
+                os.symlink("global_step9", latest)
+            elif case == "directory":
+                os.mkdir(latest)
+            elif case == "damaged":  # the last byte of a value flipped
+                file = os.path.join(save_dir, "global_step6", "rank1.safetensors")
+                with open(file, "r+b") as handle:
+                    handle.seek(-1, os.SEEK_END)
+                    last = handle.read(1)[0]
+                    handle.seek(-1, os.SEEK_END)
+                    handle.write(bytes([last ^ 1]))
+        dist.barrier()
+        before, isfile = _tag_inodes(save_dir), os.path.isfile
+        if case == "unseen on rank 1" and rank == 1:
+            os.path.isfile = lambda p, isfile=isfile: not str(p).endswith("latest") and isfile(p)
+        try:
+            config = _config(save_dir, save_interval_steps=2, auto_resume=True)
+            _, params, _ = _train({**config, "agreement_timeout": 30}, STEPS)
+            out[case] = all(torch.equal(p, q) for p, q in zip(params, final, strict=True))
+        except CheckpointError as error:
+            out[case] = str(error)
+        finally:
+            os.path.isfile = isfile
+        out[case + " untouched"] = _tag_inodes(save_dir) == before
+    return out
+
+
+def test_auto_resume_without_latest_resumes_the_newest_or_refuses(tmp_path):
+    for rank, out in enumerate(run_ranks(_resume_without_latest, 2, str(tmp_path), timeout=300)):
+        # Resumed from global_step6: the run ends where the one that saved it ended, and no
+        # periodic save wrote over global_step2/4/6.
+        for case in ("missing", "dangling", "unseen on rank 1"):
+            assert out[case] is True, (rank, case, out[case])
+        assert "latest is a directory" in out["directory"], (rank, out["directory"])
+        assert "global_step6, does not pass its checks" in out["damaged"], (rank, out["damaged"])
+        assert "rank1.safetensors" in out["damaged"], out["damaged"]
+        for case in ("missing", "dangling", "directory", "damaged", "unseen on rank 1"):
+            assert out[case + " untouched"], (rank, case)
