@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import _SIDE_GROUPS, _agreement_store, _side_group
+from .liveness import Heartbeat
 
 
 class Intent(enum.IntEnum):
@@ -38,6 +39,7 @@ METHODS = (
     "zero.utils.safe_get_full_* (an all-gather of one parameter)",
     "zero.utils.safe_set_full_* (every rank passes the same value)",
     "engine.zero_grad() after a failed engine.backward()",
+    "zero.GatheredParameters (exit, modifier_rank=None)",
 )
 
 
@@ -103,6 +105,9 @@ class Agreement:
         self.describe = describe_intent
         self.hint = lambda a, b: ""
         self.checks = 0  # checks made (for the cost figures in docs/performance.md)
+        if self._store is not None and self.world_size > 1 and self.group.heartbeat is None:
+            # [Note: a rank that stops answering] in liveness.py; one per group, stopped with it
+            self.group.heartbeat = Heartbeat(self._store, ranks, rank, timeout_s)
         _AGREEMENTS.add(self)
 
     def check(self, kind: Intent, idents=(0,), doing: str | None = None, method=None) -> None:
@@ -121,18 +126,19 @@ class Agreement:
         optimizer step's agreement and its gradient-norm sum). Collective."""
         return self._check_slots(kind, [0], None, None, value)
 
-    def enter(self, method: str, arguments: int = 0) -> None:
+    def enter(self, method: str, arguments: int = 0, value: float = 0.0) -> float:
         """Every rank enters collective method `method` (one of METHODS) together, with equal
         `arguments` (a hash of what must agree, such as the parameters it gathers); else every
-        rank raises within the timeout, naming the ranks that did not arrive. Collective."""
+        rank raises within the timeout, naming the ranks that did not arrive. Returns the sum
+        of every rank's `value` (float64, in rank order), which may differ. Collective."""
         calls = self._calls[method] = self._calls.get(method, 0) + 1
         if self._store is not None:
             self._store.set(f"{method}/{calls}/{self.rank}", "1")
             self._store.set(f"at/{self.rank}", f"{method} (call {calls})")
         try:
             doing = f"calls {method} (call {calls})"
-            idents = (METHODS.index(method), arguments)
-            self.check(Intent.METHOD, idents, doing, (method, calls))
+            idents = [METHODS.index(method), arguments]
+            return self._check_slots(Intent.METHOD, idents, doing, (method, calls), value)
         finally:
             if self._store is not None:
                 self._store.delete_key(f"at/{self.rank}")
@@ -203,6 +209,16 @@ class Agreement:
                 "ends at each rank's own end of sequence) leaves them waiting here: every rank "
                 "must keep running forwards until all have finished, as generate(..., "
                 "synced_gpus=True) does (engine.generate passes it)."
+            )
+        heartbeat = self.group.heartbeat
+        silent = heartbeat.silent_ranks() if heartbeat is not None else []
+        if silent:  # [Note: a rank that stops answering] in liveness.py
+            return RankMismatchError(
+                f"rank {self.rank}: waited {self.timeout_s:g} s for the other ranks before it "
+                f"{doing}: ranks {silent} stopped answering (their heartbeat does not move): "
+                "their processes are stopped (SIGSTOP, a debugger), hung with the interpreter "
+                "locked, or their nodes are unreachable; find out why, or raise "
+                "agreement_timeout if they only pause"
             )
         return RankMismatchError(
             f"rank {self.rank}: waited {self.timeout_s:g} s for the other ranks before it "

@@ -82,6 +82,7 @@ class OwnGroup:
         self.ranks = list(ranks)
         self.method_calls: dict[str, int] = {}  # Agreement.enter's count per method
         self.agreements = 0  # Agreements (engines) created over this group
+        self.heartbeat = None  # liveness.Heartbeat of the agreement group, stopped by close()
         rank, size = ranks.index(self.global_rank), len(ranks)
         backend = backend or dist.get_backend()
         self.backend_name = str(backend)
@@ -120,6 +121,8 @@ class OwnGroup:
         """Destroy the process group now: its collectives in flight finish (or fail at its
         timeout) and its worker threads end before this returns ([Note: threads at exit]).
         Idempotent; a collective on it afterwards raises RuntimeError."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         backend, self.backend = self.backend, None
         if backend is not None and self.backend_name == "nccl":
             backend.shutdown()  # as torch.distributed.destroy_process_group does for its groups

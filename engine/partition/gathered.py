@@ -11,6 +11,17 @@ already). On exit with `modifier_rank` set, the full values of that rank are bro
 into every rank's owned slices (the low-precision shard and the fp32 master weights, so the next
 optimizer step starts from them); then stage-3 units are released. Collective: every rank of the
 data-parallel group enters and leaves the context together with the same parameters.
+
+[Note: changes without modifier_rank]
+Without modifier_rank nothing is published, yet at stages 1-2 in fp32 each rank's owned slice of
+a parameter is its master weights' memory: a change one rank makes in place stays, in the
+master slice that rank owns, and reaches every rank at the next step, while the rest of the
+change is lost (half an edit, for good). At stage 0 every rank keeps its own change, so the
+replicas drift apart; at stage 3 the gathered copy is dropped. So on exit every rank says
+whether it changed a parameter of the context in place (its version counter moved; one
+agreement check), and when any rank did, every rank raises RuntimeError naming the count and
+the fix (modifier_rank), the same at every stage and precision. A training step inside the
+block rewrites every parameter itself; the check is then skipped.
 """
 
 import weakref
@@ -86,6 +97,7 @@ class GatheredParameters:
         self._units = []
         self._counted = False  # counted in the gatherer's open contexts (stage 3)
         self._init_params = []  # zero.Init parameters gathered by this context
+        self._versions = None  # (params' version counters, steps' writes) once gathered
 
     def _owner(self):
         return next((o for p in self.params if (o := owner(p)) is not None), None)
@@ -106,6 +118,7 @@ class GatheredParameters:
             gatherer.hold(self._units)
             gatherer.gathered_contexts += 1  # state_dict() inside reads, never gathers
             self._counted = True
+        self._versions = _versions(optimizer, self.params)
         return self
 
     def __exit__(self, *exc):
@@ -121,6 +134,8 @@ class GatheredParameters:
                 _enter(optimizer, method, self.params, self.modifier_rank)
                 with torch.no_grad():
                     _publish_modification(optimizer, self.params, self.modifier_rank)
+            elif self._versions is not None:
+                _refuse_changes(optimizer, self.params, self._versions)
         finally:
             if self._counted:
                 optimizer.gatherer.gathered_contexts -= 1
@@ -151,6 +166,46 @@ def _enter(optimizer, method: str, params, modifier_rank=None) -> None:
         return
     touched = [i for i, _ in _buckets_holding(optimizer, params)]
     optimizer.comm.agreement.enter(method, zlib.crc32(repr((touched, modifier_rank)).encode()))
+
+
+def _versions(optimizer, params) -> tuple[list[int], int]:
+    """The parameters' version counters and the count of the optimizer's own writes (steps)."""
+    writes = sum(b.generation for b in laid_out_buckets(optimizer))
+    return [p._version for p in params], writes
+
+
+def _refuse_changes(optimizer, params, before: tuple[list[int], int]) -> None:
+    """[Note: changes without modifier_rank]: RuntimeError on every rank when any rank changed
+    one of `params` in place since the context gathered them. Collective (one agreement check;
+    nothing at world size 1)."""
+    versions, writes = _versions(optimizer, params)
+    if writes != before[1]:
+        return  # a step inside the block rewrote every parameter
+    changed = [i for i, (v, w) in enumerate(zip(versions, before[0])) if v != w]
+    count = float(bool(changed))
+    if optimizer.comm.agreement is not None:
+        method = "zero.GatheredParameters (exit, modifier_rank=None)"
+        touched = [i for i, _ in _buckets_holding(optimizer, params)]
+        count = optimizer.comm.agreement.enter(method, zlib.crc32(repr(touched).encode()), count)
+    if not count:
+        return
+    for _, bucket in _buckets_holding(optimizer, params):
+        if bucket.versions:  # stage 3: the gathered copy is dropped on release, without a 2nd error
+            bucket.versions = [param._version for param in bucket.params]
+    here = (
+        f"this rank changed parameter {changed[0]} of the context (shape "
+        f"{list(params[changed[0]].shape)})"
+        if changed
+        else "this rank changed none"
+    )
+    raise RuntimeError(
+        f"rank {optimizer.comm.rank}: {int(count)} of {optimizer.comm.world_size} ranks changed "
+        f"parameters in place inside zero.GatheredParameters without modifier_rank ({here}). "
+        "Without modifier_rank nothing is published: at stages 1-2 in fp32 the master weights "
+        "now hold part of the change, at stage 0 the ranks' replicas differ, at stage 3 it is "
+        "dropped. Make changes under zero.GatheredParameters(params, modifier_rank=0) (rank "
+        "0's values reach every rank), then load a checkpoint or redo the change that way"
+    )
 
 
 def _buckets_holding(optimizer, params) -> list:
