@@ -80,6 +80,7 @@ class RankFailure:
     node_rank: int
     node_name: str
     exit_code: int
+    stopped: tuple[int, ...] = ()  # ranks of this node stopped (SIGSTOP) when it exited
 
     def describe(self) -> str:
         """One line for the console, e.g. 'rank 1 (local_rank 1 on node 0 'localhost') exited
@@ -87,8 +88,15 @@ class RankFailure:
         where = f"rank {self.rank} (local_rank {self.local_rank} on node {self.node_rank} "
         where += f"'{self.node_name}')"
         if self.exit_code < 0:
-            return f"{where} was killed by {signal.Signals(-self.exit_code).name}"
-        return f"{where} exited with code {self.exit_code}"
+            what = f"{where} was killed by {signal.Signals(-self.exit_code).name}"
+        else:
+            what = f"{where} exited with code {self.exit_code}"
+        if self.stopped:
+            what += (
+                f"; rank(s) {list(self.stopped)} had been stopped (SIGSTOP, a debugger) and "
+                "stopped answering"
+            )
+        return what
 
     @property
     def process_exit_code(self) -> int:
@@ -365,30 +373,38 @@ def report_success(args: argparse.Namespace) -> None:
 
 
 class ExitClock:
-    """When each rank process of this node exited, to the microsecond. [Note: the rank that
-    failed first]
+    """When each rank process of this node exited, to the microsecond, and which ranks were
+    stopped at that moment. [Note: the rank that failed first]
 
     The elastic agent stamps failures with a time of 1 s resolution and, once one rank fails,
     sends SIGTERM to the others, so a survivor it ended looks as failed as the rank that died
     (rank 1 SIGKILLed from outside, rank 0 then SIGTERMed by the agent: both within a second).
-    A thread finds the agent's children as they start; one thread per child waits for its exit
-    with waitid(WEXITED | WNOWAIT), which leaves the process for the elastic agent to reap, and
+    A thread finds the agent's children as they start, in every round of a job with restarts
+    (each round's ranks are new processes); one thread per child waits for its exit with
+    waitid(WEXITED | WNOWAIT), which leaves the process for the elastic agent to reap, and
     records the moment. The agent only signals survivors after it saw a failure, so the
-    earliest exit is the rank that failed first."""
+    earliest exit is the rank that failed first. A rank whose peer stopped answering (SIGSTOP,
+    a debugger) exits first, naming it ([Note: a rank that stops answering] in
+    engine/comm/liveness.py): so at each exit the other children's state is read too, and
+    those stopped then are named beside the rank that exited."""
+
+    _POLL_S = 0.005
 
     def __init__(self, num_ranks: int):
         self.exited: dict[int, float] = {}  # pid -> time.monotonic() at exit
+        self.stopped: set[int] = set()  # pids found stopped when another child exited
         self._num_ranks = num_ranks
+        self._children: dict[int, psutil.Process] = {}
         threading.Thread(target=self._find_children, daemon=True).start()
 
     def _find_children(self) -> None:
-        me, watched = psutil.Process(), set()
-        while len(watched) < self._num_ranks:  # the ranks are the agent's first children
+        me = psutil.Process()
+        while True:  # a daemon: every round's ranks are new children
             for child in me.children():
-                if child.pid not in watched:
-                    watched.add(child.pid)
+                if child.pid not in self._children:
+                    self._children[child.pid] = child
                     threading.Thread(target=self._wait, args=(child.pid,), daemon=True).start()
-            time.sleep(0.005)
+            time.sleep(self._POLL_S)
 
     def _wait(self, pid: int) -> None:
         try:
@@ -396,6 +412,10 @@ class ExitClock:
         except ChildProcessError:  # already reaped: its exit time is unknown
             return
         self.exited[pid] = time.monotonic()
+        for other, process in list(self._children.items()):
+            with contextlib.suppress(psutil.Error):
+                if other not in self.exited and process.status() == psutil.STATUS_STOPPED:
+                    self.stopped.add(other)
 
 
 def first_failure(error: ChildFailedError, args: argparse.Namespace, clock=None) -> RankFailure:
@@ -403,6 +423,7 @@ def first_failure(error: ChildFailedError, args: argparse.Namespace, clock=None)
     ExitClock); without a time, the earliest (1 s resolution) timestamp, then a rank that exited
     on its own before one killed by a signal, then the lowest rank."""
     exited = clock.exited if clock is not None else {}
+    stopped = clock.stopped if clock is not None else set()
     rank, failure = min(
         error.failures.items(),
         key=lambda item: (
@@ -412,7 +433,10 @@ def first_failure(error: ChildFailedError, args: argparse.Namespace, clock=None)
             item[0],
         ),
     )
-    return RankFailure(rank, failure.local_rank, args.node_rank, args.node_name, failure.exitcode)
+    frozen = tuple(sorted(r for r, f in error.failures.items() if f.pid in stopped and r != rank))
+    return RankFailure(
+        rank, failure.local_rank, args.node_rank, args.node_name, failure.exitcode, frozen
+    )
 
 
 def run_ranks(args: argparse.Namespace, work_dir: str) -> int:

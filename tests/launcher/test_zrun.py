@@ -160,3 +160,38 @@ def test_unreachable_host_is_an_error_with_ssh_message_before_anything_starts(tm
     # No sshd listens on port 2299 here: every node is checked, each with ssh's own words.
     assert "'localhost': ssh: connect to host localhost port 2299: Connection refused" in err
     assert_nothing_left(str(tmp_path))
+
+
+FROZEN_RANK_1 = """
+import signal
+import torch
+import zero
+torch.manual_seed(0)
+config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "zero_optimization": {"stage": 2}, "agreement_timeout": 3}
+engine, _, _, _ = zero.initialize(model=torch.nn.Linear(4, 2), config=config)
+for step in range(8):
+    if step == 4 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)  # before step 5, in every round
+    engine.backward(engine(torch.randn(1, 4)).sum())
+    engine.step()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_ends_each_round_and_is_named(tmp_path):
+    """Rank 1 stops (SIGSTOP) before step 5: rank 0 names it and exits within the agreement
+    timeout, the job restarts, and the restart-limit line names the stopped rank (issue 42;
+    before, the job waited out gloo's 30 minutes and zrun blamed rank 0)."""
+    script = write_script(tmp_path, FROZEN_RANK_1)
+    proc = start_zrun(tmp_path, "localhost slots=2\n", script, "--max_restarts", "1")
+    _, stderr = proc.communicate(timeout=280)
+    assert proc.returncode == 1, stderr
+    assert stderr.count("rank 0: rank 1 stopped answering for over 3 s") == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("zrun: rank")]
+    assert lines == [
+        "zrun: rank 0 (local_rank 0 on node 0 'localhost') exited with code 1; rank(s) [1] had "
+        "been stopped (SIGSTOP, a debugger) and stopped answering after 1 restart(s), the limit "
+        "(--max_restarts 1)"
+    ], stderr
+    assert_nothing_left(str(tmp_path))
