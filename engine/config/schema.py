@@ -586,7 +586,8 @@ class Config(_Block):
         gt=0,
         description="zero's own: seconds a rank waits at a checked collective (stage-3 "
         "all-gathers, end of backward, collective methods such as save_checkpoint) for the "
-        "other ranks before every rank stops with an error naming the missing ranks.",
+        "other ranks before every rank stops with an error naming the missing ranks; a rank "
+        "whose process stops answering (SIGSTOP) for this long is named and ends the job.",
     )
     wall_clock_breakdown: bool = Field(
         False, description="Time forward, backward and step separately."
