@@ -13,8 +13,10 @@ agreement_timeout seconds, the watcher writes one line naming that rank to stder
 own process (os._exit: its main thread may be blocked in a collective that cannot be
 interrupted); the launcher then ends the job, or restarts it, and names the stopped rank
 (launcher/agent.py). A rank that leaves normally (its group closed) first marks itself done, so
-it is never reported. The store is reached through a client of its own with the agreement
-timeout, so a store whose host is the stopped process (rank 0's, under env://) is reported too.
+it is never reported. A store operation on a store whose host is stopped (rank 0's process,
+under env://) never returns, whatever the client's timeout: so every operation runs in a
+short-lived thread of its own and is given up after agreement_timeout, which ends this rank
+naming the store and its host.
 A busy rank keeps beating: its thread needs only the GIL now and then.
 """
 
@@ -36,7 +38,7 @@ class Heartbeat:
     collective; starting one on some ranks only leaves those unwatched."""
 
     def __init__(self, store, ranks: list[int], rank: int, timeout_s: float):
-        self.store = _own_client(store, timeout_s)
+        self.store, self.where = _own_client(store, timeout_s)
         self.rank, self.timeout_s, self.ranks = rank, timeout_s, list(ranks)
         position = ranks.index(rank)
         self.peer = ranks[(position + 1) % len(ranks)]
@@ -50,57 +52,75 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
-        # The store's host may be gone already: then nobody is left to watch this rank.
-        with contextlib.suppress(Exception):
-            self.store.add(f"done/{self.rank}", 1)
+        # The store's host may be gone or stopped already: then nobody is left to watch us.
+        _timed(lambda: self.store.add(f"done/{self.rank}", 1), self.period)
         self._thread.join(timeout=self.period + 1)
 
     def silent_ranks(self) -> list[int]:
         """The other ranks whose counter does not move within one period (and that did not
         leave normally): for a timeout's message. Waits one period; [] when the store fails."""
         others = [r for r in self.ranks if r != self.rank]
-        try:
-            before = [self.store.add(f"beat/{r}", 0) for r in others]
-            time.sleep(self.period * 1.5)
-            after = [self.store.add(f"beat/{r}", 0) for r in others]
+
+        def read():
             return [
-                r
-                for r, a, b in zip(others, before, after)
-                if a == b and not self.store.add(f"done/{r}", 0)
+                (self.store.add(f"beat/{r}", 0), self.store.add(f"done/{r}", 0)) for r in others
             ]
-        except Exception:
+
+        before = _timed(read, self.timeout_s)
+        time.sleep(self.period * 1.5)
+        after = _timed(read, self.timeout_s)
+        if before is None or after is None:
             return []
+        return [r for r, a, b in zip(others, before, after) if a == b and not b[1]]
 
     def _run(self) -> None:
         seen, since = None, time.monotonic()
         while not self._stop.wait(self.period):
-            try:
-                self.store.add(f"beat/{self.rank}", 1)
-                beats = self.store.add(f"beat/{self.peer}", 0)
-                if beats == seen and self.store.add(f"done/{self.peer}", 0):
-                    return  # the peer left normally
-            except Exception as error:
-                if not self._stop.is_set():
-                    _end(self.rank, f"the rendezvous store did not answer ({error})", None)
+            found = _timed(self._beat, self.timeout_s)
+            if self._stop.is_set():
                 return
+            if found is None:
+                _end(self.rank, f"the rendezvous store at {self.where}", self.timeout_s)
+            beats, done = found
+            if beats == seen and done:
+                return  # the peer left normally
             now = time.monotonic()
             if beats != seen:
                 seen, since = beats, now
-            elif now - since > self.timeout_s and not self._stop.is_set():
+            elif now - since > self.timeout_s:
                 _end(self.rank, f"rank {self.peer}", self.timeout_s)
-                return
+
+    def _beat(self) -> tuple[int, int]:
+        """Add 1 to this rank's counter; the peer's counter and whether it left."""
+        self.store.add(f"beat/{self.rank}", 1)
+        return self.store.add(f"beat/{self.peer}", 0), self.store.add(f"done/{self.peer}", 0)
+
+
+def _timed(call, timeout_s: float):
+    """call()'s result, or None when it raised or did not return within timeout_s (it goes on
+    in a daemon thread, which the process's end takes with it)."""
+    out = []
+
+    def run():
+        with contextlib.suppress(Exception):
+            out.append(call())
+
+    thread = threading.Thread(target=run, name="zero-heartbeat-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return out[0] if out else None
 
 
 def _own_client(store, timeout_s: float):
-    """A client of the default TCPStore with `timeout_s` for every operation (store operations
-    otherwise wait up to the store's own timeout, 30 minutes); `store` itself when the default
-    store is no TCPStore."""
+    """(a client of the default TCPStore of its own, its "host:port"), so that a heartbeat never
+    queues behind another thread's store operation; `store` itself when the default store is no
+    TCPStore."""
     try:
         base = dist.distributed_c10d._get_default_store()
         while isinstance(base, dist.PrefixStore):
             base = base.underlying_store
         if not isinstance(base, dist.TCPStore):
-            return store
+            return store, "the job's rendezvous"
         client = dist.TCPStore(
             base.host,
             base.port,
@@ -108,9 +128,10 @@ def _own_client(store, timeout_s: float):
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
-        return dist.PrefixStore("zero-heartbeat/", client)
-    except Exception:  # a store torch does not expose: its own timeout applies
-        return store
+        where = f"{base.host}:{base.port} (under env://, rank 0's process serves it)"
+        return dist.PrefixStore("zero-heartbeat/", client), where
+    except Exception:  # a store torch does not expose
+        return store, "the job's rendezvous"
 
 
 def _end(rank: int, who: str, timeout_s: float | None) -> None:
