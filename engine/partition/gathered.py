@@ -134,7 +134,7 @@ class GatheredParameters:
                 _enter(optimizer, method, self.params, self.modifier_rank)
                 with torch.no_grad():
                     _publish_modification(optimizer, self.params, self.modifier_rank)
-            elif self._versions is not None:
+            elif self._versions is not None and exc[0] is None:  # no collective on an error
                 _refuse_changes(optimizer, self.params, self._versions)
         finally:
             if self._counted:
