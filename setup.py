@@ -50,9 +50,15 @@ setup(
         "zero",
         *(f"zero.{name}" for name in find_packages("engine")),
         "zero.launcher",
+        "zero.launcher.autotuning",
         "zero.ops",
     ],
-    package_dir={"zero": "engine", "zero.launcher": "launcher", "zero.ops": "ops"},
+    package_dir={
+        "zero": "engine",
+        "zero.launcher": "launcher",
+        "zero.launcher.autotuning": "launcher/autotuning",
+        "zero.ops": "ops",
+    },
     package_data={
         # The op sources compile on first use (JIT), so they ship with the package.
         "zero.ops": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"],

@@ -5,6 +5,7 @@ agents) or remote.py (ssh, pdsh, srun, mpirun; one agent per node) -> agent.py (
 slot, torch.distributed's elastic agent). environment.py decides what every rank's environment
 gets; nodelist.py reads SLURM node lists; rendezvous.py holds an elastic job's node range,
 rendezvous options and the c10d store zrun hosts ([Note: elastic rendezvous] in agent.py).
+autotuning/ is `zrun --autotuning tune|run` (docs/tuning.md).
 """
 
 import dataclasses
@@ -34,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     starts (bad flag, hostfile, selection, .zero_env or --env; a host ssh cannot reach), with
     one line on stderr.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.autotuning:
+        return _autotune(args, argv)
     try:
         check_elastic_flags(args)
         layout = build_layout(resource_pool(args), args.master_addr, args.master_port)
@@ -65,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runner = JobRunner(launches, args.shutdown_timeout, report_failures=remote, elastic=elastic)
     return runner.run()
+
+
+def _autotune(args, argv: list[str]) -> int:
+    from .autotuning import autotune  # imports torch and the planner: only when tuning
+
+    try:
+        return autotune(args, argv)
+    except (ValueError, FileNotFoundError, NotImplementedError) as error:
+        print(f"zrun --autotuning: error: {error}", file=sys.stderr)
+        return 2
 
 
 def check_elastic_flags(args) -> None:

@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "keep_alive_interval, keep_alive_max_attempt, close_timeout, read_timeout",
     )
     add("--rdzv_id", default=None, help="elastic: rendezvous id (default: a fresh one per zrun)")
+    add(
+        "--autotuning",
+        choices=("tune", "run"),
+        default=None,
+        help="tune: find the fastest stage, offload, micro-batch and bucket size (short trials "
+        "of the script, planner-pruned; docs/tuning.md); run: tune, then start the job with it",
+    )
     add("script", help="training script (or module with -m, or executable with --no_python)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser

@@ -11,6 +11,7 @@ Modules, lowest first (each imports only modules above it in this list):
   values.py             value types of fields (element / byte counts, dtypes, ...) and _Block
   errors.py             ConfigError, how values are shown, pydantic errors described as messages
   zero_optimization.py  the zero_optimization block (ZeroConfig, offload, leaf modules, ZeRO++)
+  autotuning.py         the autotuning block (zrun --autotuning's search)
   schema.py             every other block, and Config
   parse.py              reading files and mappings: JSON / hjson / YAML, the checking walk
   deepspeed_keys.py     DeepSpeed's deprecated names, unsupported blocks and their warnings
@@ -21,9 +22,11 @@ Modules, lowest first (each imports only modules above it in this list):
   deepspeed_config.py   DeepSpeedConfig: a loaded config under DeepSpeed's attribute names
 """
 
+from .autotuning import AutotuningConfig, ModelInfoConfig
 from .deepspeed_config import DeepSpeedConfig
 from .errors import ConfigError, ConfigNotImplementedError
 from .load import load_config, settings_without_effect
+from .parse import read_mapping
 from .policy import STRICT, KeyPolicy, current_key_policy, use_key_policy
 from .schema import (
     ActivationCheckpointingConfig,
@@ -49,6 +52,7 @@ from .zero_optimization import OffloadOptimizerConfig, OffloadParamConfig, ZeroC
 __all__ = [
     "ActivationCheckpointingConfig",
     "AioConfig",
+    "AutotuningConfig",
     "BF16Config",
     "CheckpointConfig",
     "CometConfig",
@@ -61,6 +65,7 @@ __all__ = [
     "FlopsProfilerConfig",
     "FP16Config",
     "KeyPolicy",
+    "ModelInfoConfig",
     "MonitorConfig",
     "OffloadDeviceEnum",
     "OffloadOptimizerConfig",
@@ -74,6 +79,7 @@ __all__ = [
     "ZeroConfig",
     "current_key_policy",
     "load_config",
+    "read_mapping",
     "settings_without_effect",
     "use_key_policy",
 ]

@@ -23,6 +23,13 @@ from .errors import ConfigError, _show
 from .values import is_plus_infinity
 
 
+def read_mapping(source: "str | os.PathLike[str] | Mapping[str, Any]") -> dict[str, Any]:
+    """The raw mapping of a config file or mapping, before any validation (zrun --autotuning
+    reads its search space from lists the schema would refuse). Raises ConfigError for what
+    load_config refuses on reading (file type, size, syntax, non-finite numbers)."""
+    return _read_source(source)[1]
+
+
 def _read_source(source: Any) -> tuple[str, dict[str, Any]]:
     """Return (message prefix, raw dict) for a path or mapping, checked by ``_checked``."""
     if isinstance(source, Mapping):

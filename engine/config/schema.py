@@ -21,6 +21,7 @@ import torch
 from pydantic import BeforeValidator, Field, PrivateAttr, field_validator, model_validator
 
 from . import subsystems
+from .autotuning import AutotuningConfig
 from .errors import _cross, _not_implemented, _refused, _show
 from .values import (
     AnyDtype,
@@ -690,7 +691,9 @@ class Config(_Block):
     )
     amp: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
     elasticity: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
-    autotuning: FrozenDict | None = Field(None, description=_WARNED_DESCRIPTION)
+    autotuning: AutotuningConfig | None = Field(
+        None, description="zrun --autotuning: the search space and how trials run."
+    )
     compression_training: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
     data_efficiency: FrozenDict | None = Field(None, description=_REFUSED_DESCRIPTION)
     pipeline: FrozenDict | None = Field(None, description=_WARNED_DESCRIPTION)

@@ -9,7 +9,7 @@ accepts them while they are off). Switched on, a block is judged by what DeepSpe
   lengths, dropped layers, compressed weights). Ignoring the block would train another run than
   the one asked for, so loading the config raises ConfigNotImplementedError naming the key and
   what to use instead, under zero's API and under the doorway alike (both load through Config).
-- WARNED: the block only observes, or configures a launcher feature, or DeepSpeed reads it only
+- WARNED: the block only observes, or DeepSpeed reads it only
   through objects zero does not serve (deepspeed.pipe, deepspeed.ops.sparse_attention, whose
   import fails with its own error): training is the same, so one UserWarning says so.
 A block counts as switched on when DeepSpeed would run it: its "enabled" key is truthy (as
@@ -58,9 +58,6 @@ REFUSED = {
 }
 
 WARNED = {
-    "autotuning": (
-        "it configures the autotuner, a launcher feature; the training engine does not read it"
-    ),
     "pipeline": (
         "zero has no pipeline parallelism; DeepSpeed reads this block only for a "
         "deepspeed.pipe.PipelineModule, which zero does not provide, so the model trains whole"

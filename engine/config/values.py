@@ -9,6 +9,7 @@ Imports nothing from zero.
 import enum
 import functools
 import math
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
@@ -191,3 +192,18 @@ def _capitalize(value: Any) -> Any:
 
 def _upper(value: Any) -> Any:
     return value.upper() if isinstance(value, str) else value
+
+
+_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'80G', '80GiB', '80GB' (all 2**30-based), '1T' or a plain byte count -> bytes.
+
+    Raises ValueError for anything else.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"memory size {text!r}: give bytes or a number with K/M/G/T, e.g. 80G")
+    power = " KMGT".index(match.group(2).upper() or " ")
+    return int(float(match.group(1)) * 1024**power)

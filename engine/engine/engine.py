@@ -26,6 +26,7 @@ import torch
 
 from .. import checkpoint
 from ..accelerator import Accelerator
+from ..autotuning import TrialProbe
 from ..checkpoint import hf
 from ..checkpoint.periodic import resume_latest
 from ..comm import Communicator
@@ -97,6 +98,7 @@ class Engine(DeepSpeedAPI, torch.nn.Module):
         self._counted = True  # the last backward's micro-batch counts toward accumulation
         self._reduced = False  # the last backward reduced gradients
         self._step_applied = False
+        self._trial = TrialProbe.attach_from_environment(self)  # zrun --autotuning's, or None
 
     # ----- training loop ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -252,6 +254,8 @@ class Engine(DeepSpeedAPI, torch.nn.Module):
             counters.global_samples += self.config.train_batch_size
             self.comm.ledger.end_step()
             self.monitor.on_step(self)
+            if self._trial is not None:
+                self._trial.on_step(self)  # exits after autotuning.end_profile_step
         self.tput_timer.stop(global_step=boundary, report_speed=False)
         self._end_micro_batch()
         if boundary and self.periodic is not None:

@@ -18,6 +18,9 @@ What differs from DeepSpeed's own launcher:
   multi-node job, as DeepSpeed's do, after zrun's .zero_env files.
 - --log_level debug shows the elastic agent's log (zrun --verbose); other levels and --quiet keep
   zrun's output, which is errors only.
+- --autotuning tune|run is zrun's (docs/tuning.md): the same autotuning block, but the planner
+  drops the candidates it predicts will not fit before any runs, and the results directory
+  holds zero's table and plot beside DeepSpeed's ds_config_optimal.json.
 """
 
 import argparse
@@ -68,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--force_multi", action="store_true", help="use --launcher even for one node")
     add("--save_pid", action="store_true", help=f"write {PID_FILE_DIR}/<pid>.deepspeed")
     add("--enable_each_rank_log", default="None", help="write rank R's output to DIR/rankR.log")
-    add("--autotuning", default="", choices=["tune", "run"], help="refused (no autotuner)")
+    add("--autotuning", default="", choices=["tune", "run"], help="zrun --autotuning (tuning.md)")
     add("--elastic_training", action="store_true", help="refused (fixed set of nodes)")
     add("--bind_cores_to_rank", action="store_true", help="refused (zrun does not bind cores)")
     add("--bind_core_list", default=None, help="refused (zrun does not bind cores)")
@@ -83,11 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def refuse_unsupported(args: argparse.Namespace) -> None:
     """Raises NotImplementedError naming the first DeepSpeed flag zrun cannot honour."""
-    if args.autotuning:
-        raise NotImplementedError(
-            f"--autotuning {args.autotuning}: zero has no autotuner; plan memory with "
-            "zero-estimate and set the config's batch sizes and stage yourself"
-        )
     if args.elastic_training:
         raise NotImplementedError(
             "--elastic_training: zrun runs a fixed set of nodes; start the job without it "
@@ -140,6 +138,8 @@ def _common_flags(args: argparse.Namespace) -> list[str]:
     flags += [f"--{name}" for name in switches if getattr(args, name)]
     if args.log_level == "debug" and not args.quiet:
         flags.append("--verbose")
+    if args.autotuning:
+        flags += ["--autotuning", args.autotuning]
     return flags
 
 

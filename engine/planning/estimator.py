@@ -16,10 +16,10 @@ import decimal
 import importlib
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, replace
 
+from ..config.values import parse_size
 from .footprint import (
     GLIBC_RETENTION,
     Activations,
@@ -33,7 +33,6 @@ from .footprint import (
 from .memory import ModelStateSpec, model_state_formula, offloaded_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -139,18 +138,6 @@ class Estimate:
     per_nvme: int = 0
     # The part of comm_psi exchanged with other nodes (tier_comm_psi; ranks fill nodes in order).
     inter_psi: float = 0.0
-
-
-def parse_size(text: str) -> int:
-    """'80G', '80GiB', '80GB' (all 2**30-based), '1T' or a plain byte count -> bytes.
-
-    Raises ValueError for anything else.
-    """
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"memory size {text!r}: give bytes or a number with K/M/G/T, e.g. 80G")
-    power = " KMGT".index(match.group(2).upper() or " ")
-    return int(float(match.group(1)) * 1024**power)
 
 
 def padded_numel(num_params: int, num_shards: int, bucket_numel: int) -> int:

@@ -990,7 +990,6 @@ REFUSED_BLOCKS = {
     "progressive_layer_drop": ({"enabled": True, "theta": 0.5}, "no layer would be dropped"),
 }
 WARNED_BLOCKS = {
-    "autotuning": "launcher feature",
     "pipeline": "PipelineModule",
     "sparse_attention": "deepspeed.ops.sparse_attention",
     "eigenvalue": "Hessian eigenvalues",

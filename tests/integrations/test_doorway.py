@@ -204,8 +204,9 @@ def test_deepspeed_flags_map_onto_zrun(tmp_path, monkeypatch):
         deepspeed_launcher.zrun_argv(deepspeed_args("--no_ssh"))
     logs = deepspeed_launcher.zrun_argv(deepspeed_args("--enable_each_rank_log", "logs"))
     assert logs[logs.index("--log_dir") + 1] == "logs"
+    tuned = deepspeed_launcher.zrun_argv(deepspeed_args("--autotuning", "run"))
+    assert tuned[tuned.index("--autotuning") + 1] == "run"  # zrun's tuner (docs/tuning.md)
     for refused in (
-        ["--autotuning", "tune"],
         ["--elastic_training"],
         ["--bind_cores_to_rank"],
         ["--venv_script", "env.sh"],

@@ -1,0 +1,7 @@
+"""python -m zero.launcher: zrun (the autotuner starts its trials this way)."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,260 @@
+"""`zrun --autotuning tune|run`: find the stage, offload, micro-batch and bucket size that train
+fastest here, by predicting before running (docs/tuning.md).
+
+1. space.py lists the candidates. trials.py runs each as a short child job of the user's script
+   through zrun, which reports step time, samples/s, TFLOP/s, peak memory and the model's
+   parameter count and shape after autotuning.end_profile_step (zero.autotuning).
+2. The first trial, the probe, is the candidate with the least memory; from its report
+   predict.py asks the planner (zero.planning) for every other candidate's peak bytes per rank
+   and drops those predicted not to fit.
+3. search.py orders the rest (autotuning.tuner_type). A failed trial is recorded and the search
+   goes on.
+4. report.py writes the table, the best config and the plot; `run` then starts the real job with
+   the best config.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from zero.config import ConfigError, load_config, read_mapping
+
+from ..cli import resource_pool
+from . import trials
+from .predict import Machine, ModelFacts, predict
+from .report import GIB, Row, table, write_results
+from .search import Search
+from .space import Candidate, candidate_config, candidates
+
+__all__ = ["autotune"]
+
+
+def _say(text: str) -> None:
+    print(f"zrun --autotuning: {text}", file=sys.stderr, flush=True)
+
+
+class Tuning:
+    """One tune: the user's command split into zrun's flags, the script and its arguments."""
+
+    def __init__(self, args, argv: list[str]):
+        self.args = args
+        self.script_args = list(args.script_args)
+        launcher = argv[: len(argv) - len(self.script_args) - 1]
+        self.launcher_argv = _without_autotuning(launcher)
+        if not any(word.split("=")[0] == "--master_port" for word in self.launcher_argv):
+            self.launcher_argv += ["--master_port", "0"]  # each trial a free port
+        index, _ = trials.config_flag(self.script_args)
+        path = self.script_args[index].split("=", 1)[-1]
+        self.raw = read_mapping(path)
+        block = self.raw.get("autotuning") or {}
+        self.tuning = load_config(
+            {"train_micro_batch_size_per_gpu": 1, "autotuning": block}
+        ).autotuning
+        pool = resource_pool(args)
+        ranks_per_node = max(len(slots) for slots in pool.values())
+        world = sum(len(slots) for slots in pool.values())
+        self.data_parallel = max(1, world // self.tuning.mp_size)
+        self.machine = Machine.here(len(pool), ranks_per_node, self.tuning)
+        self._check_mappings()
+
+    def _check_mappings(self) -> None:
+        mapped = self.tuning.arg_mappings or {}
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            if self.raw.get(key) == "auto" and key not in mapped:
+                raise ValueError(
+                    f'autotuning: {key} is "auto" in the config, so the script sets it from its '
+                    f"own flag; name that flag in autotuning.arg_mappings (e.g. "
+                    f'"{key}": "--per_device_train_batch_size" for a Trainer) so each trial '
+                    "gets the candidate's value"
+                )
+
+    def argv_for(self, config_path: str, config: dict) -> list[str]:
+        """zrun's arguments for one trial or the final run."""
+        script_args = trials.script_args_for(
+            self.script_args, config_path, config, self.tuning.arg_mappings
+        )
+        return [*self.launcher_argv, self.args.script, *script_args]
+
+    def run_trial(self, candidate: Candidate) -> trials.Outcome:
+        directory = os.path.join(self.tuning.exps_dir, candidate.name)
+        os.makedirs(directory, exist_ok=True)
+        config = candidate_config(self.raw, candidate)
+        config_path = os.path.join(directory, "config.json")
+        prefix = os.path.join(directory, "metrics")
+        if not self.tuning.overwrite:
+            earlier = _earlier(config_path, config, prefix)
+            if earlier is not None:
+                return earlier
+        with open(config_path, "w") as handle:
+            json.dump(config, handle, indent=2)
+        argv = self.argv_for(config_path, config)
+        log = os.path.join(directory, "log.txt")
+        return trials.run(argv, prefix, log, self.tuning.timeout)
+
+
+def _earlier(config_path: str, config: dict, prefix: str) -> trials.Outcome | None:
+    # autotuning.overwrite false: an earlier tune's result for the same config stands.
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path) as handle:
+        if json.load(handle) != config:
+            return None
+    record = trials.merged_record(prefix)
+    return None if record is None else trials.Outcome(0, record, "reused", 0.0)
+
+
+def _without_autotuning(argv: list[str]) -> list[str]:
+    kept, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--autotuning":
+            skip = True
+        elif not word.startswith("--autotuning="):
+            kept.append(word)
+    return kept
+
+
+def probe(tune: Tuning, space: list[Candidate]) -> tuple[Row, ModelFacts]:
+    """The first trial, of the candidate with the least memory (highest stage, no offload
+    first, smallest micro-batch), and the model facts it reported. Raises RuntimeError naming
+    the log when it reports nothing (the planner has no Psi to work with)."""
+    smallest = min(space, key=lambda c: (-c.stage, c.offload == "none", c.micro_batch))
+    outcome = tune.run_trial(smallest)
+    row = Row(smallest, "ok")
+    _record(row, outcome)
+    if row.record is None:
+        raise RuntimeError(
+            f"the probe trial {smallest.name} (the candidate with the least memory) reported "
+            f"nothing ({row.why}); its log is "
+            f"{os.path.join(tune.tuning.exps_dir, smallest.name, 'log.txt')}"
+        )
+    facts = ModelFacts.from_probe(row.record, tune.tuning)
+    # The planner's runtime term, measured once (footprint.py [Note: peak]): what the probe's
+    # peak holds beyond the tensors predicted for its own config.
+    predicted = predict(candidate_config(tune.raw, smallest), facts, tune.machine).per_device
+    runtime = max(0, row.record["peak_bytes"] - predicted)
+    facts = dataclasses.replace(facts, runtime_bytes=runtime)
+    row.predicted_peak = predicted + runtime
+    row.why = "probe (the planner's runtime term is measured here)"
+    shape = (
+        "no transformer shape"
+        if facts.shape(1) is None
+        else (f"{facts.num_layers} layers, hidden {facts.hidden_size}, seq_len {facts.seq_len}")
+    )
+    _say(
+        f"[probe] {_progress(row, outcome)}; Psi = {facts.num_params:,}, {shape}, runtime "
+        f"{runtime / GIB:.3f} GiB"
+    )
+    return row, facts
+
+
+def planned_rows(tune: Tuning, space: list[Candidate], facts: ModelFacts, first: Row) -> list:
+    """One row per candidate with the planner's prediction (`first`, the probe's, as it is);
+    those predicted not to fit are "dropped", the rest "not run" until a trial runs them."""
+    rows = []
+    for candidate in space:
+        if candidate == first.candidate:
+            rows.append(first)
+            continue
+        try:
+            estimate = predict(candidate_config(tune.raw, candidate), facts, tune.machine)
+        except (ConfigError, ValueError, NotImplementedError) as error:
+            rows.append(Row(candidate, "dropped", why=f"config refused: {error}"))
+            continue
+        row = Row(candidate, "not run", estimate.per_device)
+        if not estimate.fits:
+            limit = tune.machine.memory_per_rank / GIB
+            row.status = "dropped"
+            row.why = f"planner: {estimate.per_device / GIB:.3f} GiB > 80% of {limit:.3f} GiB"
+        rows.append(row)
+    return rows
+
+
+def search(tune: Tuning, rows: list[Row], first: Row) -> Row:
+    """Run the candidates the planner kept, in the tuner's order, until tuner_num_trials ran
+    (the probe, `first`, included) or tuner_early_stopping trials in a row did not improve;
+    returns the best row."""
+    by_candidate = {row.candidate: row for row in rows}
+    runnable = [row.candidate for row in rows if row.status == "not run"]
+    order, metric = Search(runnable, tune.tuning.tuner_type), tune.tuning.metric
+    order.record(first.candidate, first.metric(metric))
+    best, stale, done = first, 0, 1
+    while done < tune.tuning.tuner_num_trials and stale < tune.tuning.tuner_early_stopping:
+        candidate = order.next()
+        if candidate is None:
+            break
+        row = by_candidate[candidate]
+        outcome = tune.run_trial(candidate)
+        done += 1
+        _record(row, outcome)
+        order.record(candidate, row.metric(metric))
+        improved = row.metric(metric) is not None and row.metric(metric) > best.metric(metric)
+        best, stale = (row, 0) if improved else (best, stale + 1)
+        _say(f"[{done - 1}/{len(runnable)}] {_progress(row, outcome)}")
+    best.status = "best"
+    for row in rows:
+        if row.status == "not run":
+            row.why = "search stopped first (tuner_num_trials / tuner_early_stopping)"
+    return best
+
+
+def _record(row: Row, outcome: trials.Outcome) -> None:
+    if outcome.record is not None and outcome.record.get("samples_per_s") is not None:
+        row.status, row.record = "ok", outcome.record
+        return
+    row.status = "failed"
+    how = "timed out" if outcome.code is None else f"exit code {outcome.code}"
+    row.why = f"{how}: {outcome.last_line}" if outcome.last_line else how
+
+
+def _progress(row: Row, outcome: trials.Outcome) -> str:
+    name = row.candidate.name
+    if row.record is None:
+        return f"{name}: failed ({row.why}) in {outcome.seconds:.1f} s"
+    r = row.record
+    predicted = "" if row.predicted_peak is None else f" (predicted {row.predicted_peak / GIB:.3f})"
+    return (
+        f"{name}: {r['samples_per_s']:.2f} samples/s, {r['step_seconds'] * 1e3:.1f} ms/step, "
+        f"peak {r['peak_bytes'] / GIB:.3f} GiB{predicted}, {outcome.seconds:.1f} s"
+    )
+
+
+def autotune(args, argv: list[str]) -> int:
+    """`zrun --autotuning tune|run ...`: tune, write the results, and with `run` start the job
+    with the best config; returns the exit code (1 when the probe trial reports nothing, else
+    tune: 0, run: the job's code).
+
+    Raises:
+        ValueError, ConfigError: before any trial runs: no config flag in the script's arguments,
+            a malformed autotuning block or search space, an "auto" batch key without
+            arg_mappings.
+    """
+    from .. import main as zrun_main
+
+    start = time.perf_counter()
+    tune = Tuning(args, argv)
+    space = candidates(tune.raw, tune.tuning, tune.data_parallel)
+    _say(f"{len(space)} candidates; {tune.machine.memory_per_rank / GIB:.3f} GiB per rank")
+    try:
+        first, facts = probe(tune, space)
+    except RuntimeError as error:
+        _say(f"error: {error}")
+        return 1
+    rows = planned_rows(tune, space, facts, first)
+    dropped = sum(row.status == "dropped" for row in rows)
+    _say(f"the planner drops {dropped} of {len(rows) - 1} other candidates as too large")
+    best = search(tune, rows, first)
+    best_config = candidate_config(tune.raw, best.candidate)
+    optimal = os.path.join(tune.tuning.results_dir, "ds_config_optimal.json")
+    command = ["zrun", *tune.argv_for(optimal, best_config)]
+    plot = write_results(tune.tuning.results_dir, rows, best, best_config, command)
+    print(table(rows), flush=True)
+    _say(f"tuning took {time.perf_counter() - start:.1f} s; results in {tune.tuning.results_dir}")
+    _say(f"best: {best.candidate.name} ({tune.tuning.metric}); config {optimal}; plot {plot}")
+    if args.autotuning == "tune":
+        return 0
+    _say("starting the job with the best config")
+    return zrun_main(tune.argv_for(optimal, best_config))

@@ -1,0 +1,159 @@
+"""zrun --autotuning on the example GPT (examples/train.py, a one-layer model): the probe run,
+the planner dropping what it predicts will not fit, a failing candidate recorded and skipped,
+the results table, the best config written, and `run` starting the job with it. Also the search
+space and the tuners' order, and the errors a tune gives before any trial runs."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero.config import ConfigError, load_config
+from zero.launcher.autotuning.search import Search
+from zero.launcher.autotuning.space import Candidate, candidate_config, candidates
+from zero.launcher.autotuning.space import micro_batch_sizes as sizes
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# The example, except that stage 0 at micro-batch 2 dies as a run out of memory would.
+WRAPPER = f"""
+import json, runpy, sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+path = sys.argv[sys.argv.index("--config") + 1]
+config = json.load(open(path))
+print("wrapper: config", path, flush=True)
+stage = config["zero_optimization"]["stage"]
+if stage == 0 and config["train_micro_batch_size_per_gpu"] == 2:
+    raise MemoryError("simulated: out of memory at stage 0, micro-batch 2")
+sys.argv[0] = {str(EXAMPLES / "train.py")!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def tuning(**block):
+    return load_config({"train_micro_batch_size_per_gpu": 1, "autotuning": block}).autotuning
+
+
+def test_micro_batch_sizes_span_the_limits_in_powers_of_two():
+    assert sizes(tuning(), 1, 1) == [1, 32, 1024]
+    assert sizes(tuning(max_train_batch_size=64), 4, 2) == [1, 4, 8]
+    block = tuning(min_train_micro_batch_size_per_gpu=3, max_train_micro_batch_size_per_gpu=40)
+    assert sizes(block, 1, 1) == [3, 8, 40]
+    with pytest.raises(ValueError, match="no micro-batch size fits"):
+        sizes(tuning(max_train_batch_size=4), 8, 1)
+
+
+def test_candidates_follow_the_config_lists_and_deepspeed_defaults():
+    raw = {"train_micro_batch_size_per_gpu": [1, 8], "gradient_accumulation_steps": 2}
+    grid = candidates(raw, tuning(), 2)
+    # stages 0-3; cpu offload only at stages 1-3
+    assert len(grid) == (1 + 3 * 2) * 2
+    assert {c.offload for c in grid if c.stage == 0} == {"none"}
+    raw = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
+    grid = candidates(raw, tuning(fast=False, num_tuning_micro_batch_sizes=1), 1)
+    assert [c.bucket for c in grid] == [50_000_000, 500_000_000, 1_000_000_000]
+    config = candidate_config({"train_batch_size": 32, **raw}, grid[0])
+    assert "train_batch_size" not in config  # derived from micro-batch x ranks x accumulation
+    assert config["zero_optimization"]["reduce_bucket_size"] == 50_000_000
+    with pytest.raises(ValueError, match="stage 7"):
+        candidates({"zero_optimization": {"stage": [2, 7]}}, tuning(), 1)
+
+
+def test_autotuning_block_is_checked():
+    with pytest.raises(ConfigError, match="end_profile_step 3 must exceed"):
+        tuning(start_profile_step=3, end_profile_step=3)
+    with pytest.raises(ConfigError, match="Did you mean 'tuner_type'"):
+        tuning(tunner_type="random")
+    assert tuning(max_memory_per_rank="2G").max_memory_per_rank == 2 * 2**30
+
+
+def test_model_based_follows_its_cost_model():
+    grid = [Candidate(stage, "none", mb, 1) for stage in (0, 3) for mb in (1, 2, 4, 8)]
+    search = Search(grid, "model_based")
+    # Throughput grows with the micro-batch and stage 3 is slower: after two random trials the
+    # model's pick is the largest micro-batch at stage 0.
+    for _ in range(2):
+        c = search.next()
+        search.record(c, c.micro_batch * (0.5 if c.stage == 3 else 1.0))
+    assert search.next() == Candidate(0, "none", 8, 1)
+
+
+def test_no_config_flag_is_an_error_before_any_trial(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "zero.launcher", "--autotuning", "tune", str(script), "--x", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "name no config file" in done.stderr
+    assert not (tmp_path / "autotuning_exps").exists()
+
+
+def test_tune_and_run_the_example_gpt(tmp_path):
+    (tmp_path / "corpus.txt").write_text((EXAMPLES / "gpt.py").read_text() * 4)
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": [0, 2], "offload_optimizer": {"device": "none"}},
+        "autotuning": {
+            "enabled": True,
+            "start_profile_step": 1,
+            "end_profile_step": 2,
+            "min_train_micro_batch_size_per_gpu": 2,
+            "max_train_micro_batch_size_per_gpu": 8192,
+            "num_tuning_micro_batch_sizes": 2,
+            # a 1-layer GPT at micro-batch 8192 x 32 tokens needs about 2.5 GiB: dropped
+            "max_memory_per_rank": "1G",
+            "timeout": 300,
+        },
+    }
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "zero.launcher", "--autotuning", "run", "--num_gpus", "1"]
+    command += [str(tmp_path / "wrapper.py"), "--config", "ds.json", "--data", "corpus.txt"]
+    command += ["--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--block_size", "32"]
+    command += ["--steps", "3", "--eval_batches", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    with open(tmp_path / "autotuning_results" / "results.csv") as handle:
+        rows = {row["candidate"]: row for row in csv.DictReader(handle)}
+    assert set(rows) == {"z0_none_mbs2", "z0_none_mbs8192", "z2_none_mbs2", "z2_none_mbs8192"}
+    for name in ("z0_none_mbs8192", "z2_none_mbs8192"):
+        assert rows[name]["status"] == "dropped"
+        assert rows[name]["why"].startswith("planner: ")
+        assert float(rows[name]["predicted_peak_GiB"]) > 0.8
+        assert rows[name]["measured_peak_GiB"] == ""
+    failed = rows["z0_none_mbs2"]
+    assert failed["status"] == "failed"
+    assert "MemoryError: simulated: out of memory" in failed["why"]
+    best = rows["z2_none_mbs2"]
+    assert best["status"] == "best"
+    assert float(best["samples_per_s"]) > 0 and float(best["step_ms"]) > 0
+    assert float(best["TFLOP_per_s"]) > 0
+    assert 0 < float(best["predicted_peak_GiB"]) < 0.8
+    assert float(best["measured_peak_GiB"]) > 0
+    # The probe trial (least memory: stage 2, micro-batch 2) is where the planner's runtime term
+    # is measured, so its predicted peak is its measured one.
+    assert best["why"].startswith("probe")
+    assert best["predicted_peak_GiB"] == best["measured_peak_GiB"]
+
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["zero_optimization"]["stage"] == 2
+    assert optimal["train_micro_batch_size_per_gpu"] == 2
+    table = (tmp_path / "autotuning_results" / "results.txt").read_text()
+    assert "| z2_none_mbs2" in table and "predicted_peak_GiB" in table
+    plots = list((tmp_path / "autotuning_results").glob("throughput_vs_memory.*"))
+    assert len(plots) == 1 and plots[0].stat().st_size > 0
+    assert "[probe] z2_none_mbs2: " in done.stderr  # one progress line per trial
+    assert "[1/1] z0_none_mbs2: failed" in done.stderr
+    # `run`: the job itself, with the best config, to its end (trials log to exps_dir).
+    assert "wrapper: config autotuning_results/ds_config_optimal.json" in done.stdout
+    assert "batch: micro 2 x world 1 x accumulation 1" in done.stdout
+    assert "final: train_loss=" in done.stdout
