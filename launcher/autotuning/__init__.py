@@ -16,6 +16,7 @@ fastest here, by predicting before running (docs/tuning.md).
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 
@@ -117,24 +118,36 @@ def _without_autotuning(argv: list[str]) -> list[str]:
     return kept
 
 
-def probe(tune: Tuning, space: list[Candidate]) -> tuple[Row, ModelFacts]:
-    """The first trial, of the candidate with the least memory (highest stage, no offload
-    first, smallest micro-batch), and the model facts it reported. Raises RuntimeError naming
-    the log when it reports nothing (the planner has no Psi to work with)."""
-    smallest = min(space, key=lambda c: (-c.stage, c.offload == "none", c.micro_batch))
-    outcome = tune.run_trial(smallest)
-    row = Row(smallest, "ok")
-    _record(row, outcome)
-    if row.record is None:
+PROBE_TRIES = 3
+
+
+def probe(tune: Tuning, space: list[Candidate]) -> tuple[list[Row], ModelFacts]:
+    """The first trials: the candidates with the least memory (highest stage, smallest
+    micro-batch; with GPU ranks offload first, with CPU ranks, where it saves nothing, last)
+    until one reports, at most PROBE_TRIES; returns their rows (the reporting one last) and the
+    model facts it reported. Raises RuntimeError naming the logs when none reports (the planner
+    has no Psi to work with)."""
+    cpu = tune.machine.cpu
+    order = sorted(space, key=lambda c: (-c.stage, (c.offload == "none") != cpu, c.micro_batch))
+    tried = []
+    for candidate in order[:PROBE_TRIES]:
+        outcome = tune.run_trial(candidate)
+        row = Row(candidate, "ok")
+        _record(row, outcome)
+        tried.append(row)
+        if row.record is not None:
+            break
+        _say(f"[probe] {_progress(row, outcome)}")
+    else:
+        logs = ", ".join(os.path.join(tune.tuning.exps_dir, r.candidate.name) for r in tried)
         raise RuntimeError(
-            f"the probe trial {smallest.name} (the candidate with the least memory) reported "
-            f"nothing ({row.why}); its log is "
-            f"{os.path.join(tune.tuning.exps_dir, smallest.name, 'log.txt')}"
+            f"the probe trials (the candidates with the least memory) reported nothing; the "
+            f"last: {tried[-1].why}; logs in {logs}"
         )
     facts = ModelFacts.from_probe(row.record, tune.tuning)
     # The planner's runtime term, measured once (footprint.py [Note: peak]): what the probe's
     # peak holds beyond the tensors predicted for its own config.
-    predicted = predict(candidate_config(tune.raw, smallest), facts, tune.machine).per_device
+    predicted = predict(candidate_config(tune.raw, row.candidate), facts, tune.machine).per_device
     runtime = max(0, row.record["peak_bytes"] - predicted)
     facts = dataclasses.replace(facts, runtime_bytes=runtime)
     row.predicted_peak = predicted + runtime
@@ -148,16 +161,17 @@ def probe(tune: Tuning, space: list[Candidate]) -> tuple[Row, ModelFacts]:
         f"[probe] {_progress(row, outcome)}; Psi = {facts.num_params:,}, {shape}, runtime "
         f"{runtime / GIB:.3f} GiB"
     )
-    return row, facts
+    return tried, facts
 
 
-def planned_rows(tune: Tuning, space: list[Candidate], facts: ModelFacts, first: Row) -> list:
-    """One row per candidate with the planner's prediction (`first`, the probe's, as it is);
-    those predicted not to fit are "dropped", the rest "not run" until a trial runs them."""
-    rows = []
+def planned_rows(tune: Tuning, space: list[Candidate], facts: ModelFacts, tried: list) -> list:
+    """One row per candidate with the planner's prediction (the probe's rows, `tried`, as they
+    are); those predicted not to fit are "dropped", the rest "not run" until a trial runs
+    them."""
+    rows, done = [], {row.candidate: row for row in tried}
     for candidate in space:
-        if candidate == first.candidate:
-            rows.append(first)
+        if candidate in done:
+            rows.append(done[candidate])
             continue
         try:
             estimate = predict(candidate_config(tune.raw, candidate), facts, tune.machine)
@@ -173,15 +187,16 @@ def planned_rows(tune: Tuning, space: list[Candidate], facts: ModelFacts, first:
     return rows
 
 
-def search(tune: Tuning, rows: list[Row], first: Row) -> Row:
+def search(tune: Tuning, rows: list[Row], tried: list[Row]) -> Row:
     """Run the candidates the planner kept, in the tuner's order, until tuner_num_trials ran
-    (the probe, `first`, included) or tuner_early_stopping trials in a row did not improve;
+    (the probe's, `tried`, included) or tuner_early_stopping trials in a row did not improve;
     returns the best row."""
     by_candidate = {row.candidate: row for row in rows}
     runnable = [row.candidate for row in rows if row.status == "not run"]
     order, metric = Search(runnable, tune.tuning.tuner_type), tune.tuning.metric
-    order.record(first.candidate, first.metric(metric))
-    best, stale, done = first, 0, 1
+    for row in tried:
+        order.record(row.candidate, row.metric(metric))
+    best, stale, done = tried[-1], 0, len(tried)
     while done < tune.tuning.tuner_num_trials and stale < tune.tuning.tuner_early_stopping:
         candidate = order.next()
         if candidate is None:
@@ -193,7 +208,7 @@ def search(tune: Tuning, rows: list[Row], first: Row) -> Row:
         order.record(candidate, row.metric(metric))
         improved = row.metric(metric) is not None and row.metric(metric) > best.metric(metric)
         best, stale = (row, 0) if improved else (best, stale + 1)
-        _say(f"[{done - 1}/{len(runnable)}] {_progress(row, outcome)}")
+        _say(f"[{done - len(tried)}/{len(runnable)}] {_progress(row, outcome)}")
     best.status = "best"
     for row in rows:
         if row.status == "not run":
@@ -234,19 +249,22 @@ def autotune(args, argv: list[str]) -> int:
     """
     from .. import main as zrun_main
 
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        # as SystemExit, so the running trial is ended too (trials.run), as Ctrl-C ends it
+        signal.signal(signum, lambda number, frame: sys.exit(128 + number))
     start = time.perf_counter()
     tune = Tuning(args, argv)
     space = candidates(tune.raw, tune.tuning, tune.data_parallel)
     _say(f"{len(space)} candidates; {tune.machine.memory_per_rank / GIB:.3f} GiB per rank")
     try:
-        first, facts = probe(tune, space)
+        tried, facts = probe(tune, space)
     except RuntimeError as error:
         _say(f"error: {error}")
         return 1
-    rows = planned_rows(tune, space, facts, first)
+    rows = planned_rows(tune, space, facts, tried)
     dropped = sum(row.status == "dropped" for row in rows)
-    _say(f"the planner drops {dropped} of {len(rows) - 1} other candidates as too large")
-    best = search(tune, rows, first)
+    _say(f"the planner drops {dropped} of {len(rows) - len(tried)} other candidates as too large")
+    best = search(tune, rows, tried)
     best_config = candidate_config(tune.raw, best.candidate)
     optimal = os.path.join(tune.tuning.results_dir, "ds_config_optimal.json")
     command = ["zrun", *tune.argv_for(optimal, best_config)]

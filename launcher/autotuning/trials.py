@@ -94,6 +94,15 @@ def _last_line(log_path: str) -> str:
     return (errors or lines or [""])[-1][:300]
 
 
+def _end(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGTERM)  # zrun ends its ranks, then exits
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def run(zrun_argv: list[str], prefix: str, log_path: str, timeout: float) -> Outcome:
     """Run `zrun zrun_argv` with METRICS_ENV=`prefix` on every rank, its output into log_path;
     on timeout end it as a user's Ctrl-C would (SIGTERM: zrun ends its ranks) and wait."""
@@ -117,11 +126,9 @@ def run(zrun_argv: list[str], prefix: str, log_path: str, timeout: float) -> Out
         try:
             code = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            _end(child)
             code = None
+        except BaseException:  # the tuner itself is ended (Ctrl-C, SIGTERM): so is its trial
+            _end(child)
+            raise
     return Outcome(code, merged_record(prefix), _last_line(log_path), time.perf_counter() - start)

@@ -157,3 +157,19 @@ def test_tune_and_run_the_example_gpt(tmp_path):
     assert "wrapper: config autotuning_results/ds_config_optimal.json" in done.stdout
     assert "batch: micro 2 x world 1 x accumulation 1" in done.stdout
     assert "final: train_loss=" in done.stdout
+
+
+def test_plot_without_matplotlib_is_an_svg(tmp_path, monkeypatch):
+    from zero.launcher.autotuning.report import Row, plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    rows = [
+        Row(
+            Candidate(s, "none", 4, 1), "ok", record={"peak_bytes": 2**30 * s, "samples_per_s": 9.5}
+        )
+        for s in (1, 2)
+    ]
+    path = plot(str(tmp_path), rows, rows[1])
+    text = Path(path).read_text()
+    assert path.endswith(".svg") and text.startswith("<svg")
+    assert text.count("<circle") == 2 and 'fill="red"' in text and "z2_none_mbs4" in text
