@@ -27,6 +27,7 @@ from pathlib import Path
 
 from zero.config import read_mapping
 from zero.launcher.autotuning import trials
+from zero.launcher.autotuning.space import Candidate, candidate_config
 
 ROOT = Path(__file__).resolve().parent.parent
 HAND_PICKED = ("zero0", "zero1", "zero2", "zero3", "zero2_offload")
@@ -107,7 +108,7 @@ def tune(prefix, script, base, out: Path, args) -> float:
     block = {
         **WINDOW,
         "max_train_micro_batch_size_per_gpu": args.max_micro_batch,
-        "num_tuning_micro_batch_sizes": 4,
+        "num_tuning_micro_batch_sizes": args.sizes,
         "max_memory_per_rank": args.budget,
         "results_dir": str(out / "results"),
         "exps_dir": str(out / "exps"),
@@ -139,7 +140,11 @@ def check_dropped(prefix, script, out: Path, arg_mappings) -> list[tuple]:
     for row in rows:
         if row["status"] != "dropped":
             continue
-        config = json.loads((out / "exps" / row["candidate"] / "config.json").read_text())
+        bucket = int(float(row["bucket"])) if row["bucket"] else None
+        candidate = Candidate(
+            int(row["stage"]), row["offload"], int(row["micro_batch"]), int(row["gas"]), bucket
+        )
+        config = candidate_config(read_mapping(out / "tune_config.json"), candidate)
         record = measure(prefix, script, config, out / "dropped" / row["candidate"], arg_mappings)
         peak = None if record is None else record["peak_bytes"] / 2**30
         checked.append((row["candidate"], float(row["predicted_peak_GiB"]), peak))
@@ -153,17 +158,20 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", default="0.75G", help="autotuning.max_memory_per_rank")
     parser.add_argument("--max_micro_batch", type=int, default=256)
+    parser.add_argument("--sizes", type=int, default=4, help="num_tuning_micro_batch_sizes")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip_tune", action="store_true", help="reuse --out's tune results")
     args = parser.parse_args()
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    if not args.skip_tune:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     hf = args.workload == "hf"
     prefix, script, base = (hf_workload if hf else gpt_workload)(out, args)
     # The HF program's --per_device_train_batch_size must agree with an explicit micro-batch.
     mappings = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"} if hf else None
-    seconds = tune(prefix, script, base, out, args)
-    print(f"tuning took {seconds:.1f} s")
+    if not args.skip_tune:
+        print(f"tuning took {tune(prefix, script, base, out, args):.1f} s")
     limit = 0.8 * float(args.budget.rstrip("G"))
     for name, predicted, measured in check_dropped(prefix, script, out, mappings):
         verdict = "n/a" if measured is None else ("right" if measured > limit else "WRONG")
