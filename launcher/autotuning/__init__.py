@@ -31,6 +31,8 @@ from .space import Candidate, candidate_config, candidates
 
 __all__ = ["autotune"]
 
+PROBE_TRIES = 3  # candidates tried, smallest first, before a tune gives up for want of facts
+
 
 def _say(text: str) -> None:
     print(f"zrun --autotuning: {text}", file=sys.stderr, flush=True)
@@ -116,9 +118,6 @@ def _without_autotuning(argv: list[str]) -> list[str]:
         elif not word.startswith("--autotuning="):
             kept.append(word)
     return kept
-
-
-PROBE_TRIES = 3
 
 
 def probe(tune: Tuning, space: list[Candidate]) -> tuple[list[Row], ModelFacts]:

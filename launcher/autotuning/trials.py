@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 CONFIG_FLAGS = ("--config", "--deepspeed_config", "--deepspeed")
 METRICS_ENV = "ZERO_AUTOTUNING_METRICS"  # zero.autotuning.ENV_METRICS
@@ -106,8 +107,6 @@ def _end(child: subprocess.Popen) -> None:
 def run(zrun_argv: list[str], prefix: str, log_path: str, timeout: float) -> Outcome:
     """Run `zrun zrun_argv` with METRICS_ENV=`prefix` on every rank, its output into log_path;
     on timeout end it as a user's Ctrl-C would (SIGTERM: zrun ends its ranks) and wait."""
-    import time
-
     for stale in glob.glob(glob.escape(prefix) + ".rank*.json"):
         os.remove(stale)
     command = [

@@ -7,6 +7,7 @@ import csv
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,9 @@ def test_autotuning_block_is_checked():
     with pytest.raises(ConfigError, match="Did you mean 'tuner_type'"):
         tuning(tunner_type="random")
     assert tuning(max_memory_per_rank="2G").max_memory_per_rank == 2 * 2**30
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # zrun --autotuning implements it: no "not implemented"
+        assert tuning(enabled=True).enabled
 
 
 def test_model_based_follows_its_cost_model():
@@ -173,3 +177,32 @@ def test_plot_without_matplotlib_is_an_svg(tmp_path, monkeypatch):
     text = Path(path).read_text()
     assert path.endswith(".svg") and text.startswith("<svg")
     assert text.count("<circle") == 2 and 'fill="red"' in text and "z2_none_mbs4" in text
+
+
+def test_a_trial_past_its_timeout_is_ended_and_recorded(tmp_path):
+    from zero.launcher.autotuning import trials
+
+    script = tmp_path / "hang.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    argv = ["--num_gpus", "1", "--master_port", "0", str(script)]
+    outcome = trials.run(argv, str(tmp_path / "metrics"), str(tmp_path / "log.txt"), timeout=8)
+    assert outcome.code is None and outcome.record is None
+    assert "ready" in (tmp_path / "log.txt").read_text()  # it ran, then was ended
+    import psutil
+
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(script) in (p.info["cmdline"] or [])]
+    assert not left  # zrun ended its rank before it exited
+
+
+def test_overwrite_false_reuses_an_earlier_result(tmp_path):
+    from zero.launcher.autotuning import _earlier
+
+    config = {"train_micro_batch_size_per_gpu": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prefix = tmp_path / "metrics"
+    assert _earlier(str(tmp_path / "config.json"), config, str(prefix)) is None  # no record yet
+    (tmp_path / "metrics.rank0.json").write_text(json.dumps({"rank": 0, "peak_bytes": 5}))
+    (tmp_path / "metrics.rank1.json").write_text(json.dumps({"rank": 1, "peak_bytes": 7}))
+    outcome = _earlier(str(tmp_path / "config.json"), config, str(prefix))
+    assert outcome.record == {"rank": 0, "peak_bytes": 7}  # rank 0's, with the largest peak
+    assert _earlier(str(tmp_path / "config.json"), {"other": 1}, str(prefix)) is None
