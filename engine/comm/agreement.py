@@ -107,7 +107,8 @@ class Agreement:
         self.checks = 0  # checks made (for the cost figures in docs/performance.md)
         if self._store is not None and self.world_size > 1 and self.group.heartbeat is None:
             # [Note: a rank that stops answering] in liveness.py; one per group, stopped with it
-            self.group.heartbeat = Heartbeat(self._store, ranks, rank, timeout_s)
+            # (the heartbeat names global ranks: `rank` is this rank's place in `ranks`)
+            self.group.heartbeat = Heartbeat(self._store, ranks, ranks[rank], timeout_s)
         _AGREEMENTS.add(self)
 
     def check(self, kind: Intent, idents=(0,), doing: str | None = None, method=None) -> None:
