@@ -34,27 +34,48 @@ def fit(model_dir, out: Path, stage: int) -> dict:
         return json.load(handle)
 
 
-@pytest.mark.xfail(
-    reason="needs the doorway's deepspeed.utils.logging, the aio.thread_count key, "
-    "ZeroOptimizer.state and param.partition_numel() (issue 39, the name catalog and config "
-    "permissiveness); with them it passes",
-    strict=False,
-)
-@pytest.mark.timeout(600)
-def test_lightning_deepspeed_strategy_stages_2_and_3(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    """stage -> (result.json, its output directory), each stage run once."""
+    root, done = tmp_path_factory.mktemp("lightning"), {}
+
+    def run(stage):
+        if stage not in done:
+            done[stage] = (fit(model_dir, root / f"stage{stage}", stage), root / f"stage{stage}")
+        return done[stage]
+
+    return run
+
+
+def check_run(model_dir, result: dict, out: Path) -> None:
+    """The run trained 3 steps, resumed from its checkpoint for a 4th with its callbacks' state,
+    and the checkpoint consolidates into a full-size model that reloads and trains."""
     from transformers import AutoModelForCausalLM
 
     from zero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    results = {stage: fit(model_dir, tmp_path / f"stage{stage}", stage) for stage in (2, 3)}
-    for stage, result in results.items():
-        assert len(result["losses"]) == 3 and result["resumed_step"] == 4, (stage, result)
-        assert all(score is not None for score in result["best_scores"]), (stage, result)
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"stage{stage}/last.ckpt"))
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-        weights = {k.removeprefix("model."): v for k, v in state.items()}
-        model.load_state_dict(weights)  # every key, full-size
-        ids = torch.randint(0, model.config.vocab_size, (2, 8))
-        model(input_ids=ids, labels=ids).loss.backward()
-        assert all(p.grad is not None for p in model.parameters()), stage
-    torch.testing.assert_close(results[3]["losses"], results[2]["losses"], rtol=0, atol=1e-5)
+    assert len(result["losses"]) == 3 and result["resumed_step"] == 4, result
+    assert all(score is not None for score in result["best_scores"]), result
+    state = get_fp32_state_dict_from_zero_checkpoint(str(out / "last.ckpt"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})  # every key
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.timeout(600)
+def test_lightning_deepspeed_stage_2(model_dir, runs):
+    check_run(model_dir, *runs(2))
+
+
+@pytest.mark.xfail(
+    reason="needs DeepSpeed's param.partition_numel() under the doorway (Lightning's model "
+    "summary at stage 3; issue 39, the parameter attributes); with it this passes",
+    strict=False,
+)
+@pytest.mark.timeout(600)
+def test_lightning_deepspeed_stage_3(model_dir, runs):
+    result, out = runs(3)
+    check_run(model_dir, result, out)
+    torch.testing.assert_close(result["losses"], runs(2)[0]["losses"], rtol=0, atol=1e-5)
