@@ -5,8 +5,10 @@ the program hands its Trainer a CUDAAccelerator whose devices are CPU processes 
 stand-in; nothing else of the program knows zero). Checked: stage 3's losses equal stage 2's;
 Lightning's checkpoint (DeepSpeed's save_checkpoint with its checkpoint dict, tensors included,
 as client_state) loads into a fresh Trainer that trains on; the checkpoint consolidates into a
-full-size model that reloads and trains."""
+full-size model that reloads and trains; where DeepSpeed 0.19.8 is installed, the same program on
+it gives the same losses."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,9 +24,10 @@ PROGRAM = Path(__file__).resolve().parent / "programs" / "lightning_program.py"
 DOORWAY = [sys.executable, "-m", "zero.integrations.doorway_cli"]
 
 
-def fit(model_dir, out: Path, stage: int) -> dict:
+def fit(model_dir, out: Path, stage: int, doorway: bool = True) -> dict:
     out.mkdir(parents=True)
-    command = [*DOORWAY, sys.executable, str(PROGRAM), "--model_dir", str(model_dir)]
+    command = [*DOORWAY] if doorway else []
+    command += [sys.executable, str(PROGRAM), "--model_dir", str(model_dir)]
     command += ["--out", str(out), "--stage", str(stage)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
@@ -79,3 +82,27 @@ def test_lightning_deepspeed_stage_3(model_dir, runs):
     result, out = runs(3)
     check_run(model_dir, result, out)
     torch.testing.assert_close(result["losses"], runs(2)[0]["losses"], rtol=0, atol=1e-5)
+
+
+def _real_deepspeed() -> bool:
+    from zero.integrations.deepspeed import DOORWAY_DIR
+
+    spec = importlib.util.find_spec("deepspeed")  # this process has no doorway on its path
+    return spec is not None and not (spec.origin or "").startswith(DOORWAY_DIR)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not _real_deepspeed(), reason="DeepSpeed 0.19.8 is not installed")
+def test_lightning_losses_equal_deepspeeds(model_dir, runs, tmp_path):
+    """The same program on DeepSpeed 0.19.8 (its CPU accelerator): fp32 losses and the resumed
+    run's best score equal zero's."""
+    for stage in (2, 3):
+        theirs = fit(model_dir, tmp_path / f"deepspeed{stage}", stage, doorway=False)
+        try:
+            ours = runs(stage)[0]
+        except AssertionError:
+            if stage == 3:
+                pytest.xfail("zero's stage-3 run needs param.partition_numel() (see above)")
+            raise
+        torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours["best_scores"], theirs["best_scores"], rtol=0, atol=1e-6)
