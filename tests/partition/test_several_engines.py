@@ -15,33 +15,10 @@ import os
 
 import torch
 from distributed import run_ranks
+from test_generation import _llama  # a tiny Llama, weights far from their init
 
 PROMPTS = ([[5, 6, 7, 8]], [[11, 12, 13]])  # rank r generates PROMPTS[r]
 GREEDY = {"do_sample": False, "no_repeat_ngram_size": 1, "max_new_tokens": 4}
-
-
-def _llama():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=48,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # weights far from their tiny init: greedy decoding varies
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.5)
-    return model
 
 
 def _config(optimizer: bool) -> dict:
