@@ -52,18 +52,23 @@ def consolidated_16bit_state_dict(state, state_dict_gather, exclude_frozen: bool
     return full_state_dict(state, entries, exclude_frozen)
 
 
-def save_16bit_model(state, save_dir, save_filename: str) -> str | None:
+def save_16bit_model(state, save_dir, save_filename: str, state_dict_gather=None) -> str | None:
     """Write the full model in the compute dtype (fp32/bf16/fp16) as one safetensors file from
     rank 0, every state_dict key included (tied parameters as equal copies); DeepSpeed's
-    engine.save_16bit_model.
+    engine.save_16bit_model. `state_dict_gather`: stage 3's StateDictGather (None below), whose
+    state_dict() gathers here under the doorway too.
 
     Collective: every rank must call it (stage 3 gathers the parameters). Raises RuntimeError
-    under stage 3 when stage3_gather_16bit_weights_on_model_save is false. Returns the path on
-    rank 0, None elsewhere."""
+    under stage 3 when stage3_gather_16bit_weights_on_model_save is false, or when a parameter
+    would be written as its 0-element placeholder (called inside a zero.GatheredParameters that
+    holds only some parameters). Returns the path on rank 0, None elsewhere."""
     from safetensors.torch import save_file
 
     enter(state.comm, "save_16bit_model")
-    module_state = state.module.state_dict()
+    own = state_dict_gather.own_save() if state_dict_gather else contextlib.nullcontext()
+    with own:
+        module_state = state.module.state_dict()
+    _refuse_placeholders(state.module, module_state, state.comm.rank)
     if state.comm.rank != 0:
         return None
     os.makedirs(save_dir, exist_ok=True)
@@ -72,6 +77,21 @@ def save_16bit_model(state, save_dir, save_filename: str) -> str | None:
     path = os.path.join(save_dir, save_filename)
     save_file(tensors, path)
     return path
+
+
+def _refuse_placeholders(module, module_state: dict, rank: int) -> None:
+    """RuntimeError when a state dict about to be written holds a stage-3 parameter as its
+    0-element placeholder (its full size, ds_numel, is not 0): the file would hold no weights."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, tensor in module_state.items():
+        param = params.get(name)
+        if param is not None and tensor.numel() == 0 and getattr(param, "ds_numel", 0) > 0:
+            raise RuntimeError(
+                f"rank {rank}: '{name}' would be written as a 0-element placeholder (its full "
+                f"shape is {tuple(param.ds_shape)}): inside zero.GatheredParameters, "
+                "state_dict() gathers only what the context holds. Call save_16bit_model "
+                "outside the context (it gathers every parameter itself)"
+            )
 
 
 def full_state_dict(state, entries: dict, exclude_frozen: bool) -> "OrderedDict | None":

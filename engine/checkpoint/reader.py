@@ -19,6 +19,7 @@ from ..errors import listed
 from ..progress import progress
 from . import rank_state
 from .agreement import _on_every_rank
+from .client_state import decode as decode_client_state
 from .files import file_crc32
 from .format import (
     FORMAT,
@@ -334,7 +335,7 @@ def load(state, load_dir, tag, strict, load_optimizer, load_scheduler, module_on
     if not module_only:
         _apply_training_state(state, meta, load_optimizer, load_scheduler)
         rank_state.apply_rng(state, meta, saved, path)
-    return path, meta["client_state"]
+    return path, decode_client_state(meta["client_state"])
 
 
 def _read_values(state, meta, reader, owned, kinds, load_optimizer, module_values) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from ..errors import listed
 from .agreement import _on_every_rank
+from .client_state import decode as decode_client_state
 from .consolidation import ConsolidatedReader
 from .format import CheckpointError
 from .ownership import _module_tensors
@@ -51,7 +52,7 @@ def load_weights(state, load_dir: str, tag, strict: bool, module_only: bool):
             "scheduler state are not (the engine has no optimizer)",
             reader.path,
         )
-    return reader.path, meta["client_state"]
+    return reader.path, decode_client_state(meta["client_state"])
 
 
 def _weights_to_load(state, reader, strict: bool, excluded: set) -> list[tuple]:

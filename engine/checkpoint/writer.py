@@ -18,6 +18,7 @@ import torch
 from ..progress import progress
 from . import rank_state
 from .agreement import _on_every_rank, _on_rank_0, _share_text, enter
+from .client_state import encode as encode_client_state
 from .files import (
     _create_json,
     _fsync_dir,
@@ -70,7 +71,7 @@ def save(
     _refuse_excluded_trainable(state, exclude_frozen)
     enter(state.comm, "save_checkpoint", int(exclude_frozen))
     tag = tag if tag is not None else f"global_step{state.counters.global_steps}"
-    scheduler_state, loader_state = _on_every_rank(
+    scheduler_state, loader_state, client_state = _on_every_rank(
         state,
         "check the checkpoint tag and state",
         lambda: _check_inputs(state, tag, client_state),
@@ -94,7 +95,7 @@ def save(
         files, crcs = _gather_files(state, written)
 
         def publish():
-            meta = _meta(state, tag, dict(client_state), scheduler_state, files, crcs, excluded)
+            meta = _meta(state, tag, client_state, scheduler_state, files, crcs, excluded)
             _finish(meta, save_dir, tag, save_latest)
 
         _on_rank_0(state, f"publish {final}", publish)
@@ -121,13 +122,14 @@ def _refuse_excluded_trainable(state, exclude_frozen: bool) -> None:
 
 
 def _check_inputs(state, tag, client_state: Mapping):
-    """This rank's checks before anything is written; returns the lr scheduler's state and the
-    data loader's (None, or its encoded state_dict() and tensors)."""
+    """This rank's checks before anything is written; returns the lr scheduler's state, the
+    data loader's (None, or its encoded state_dict() and tensors) and client_state as meta.json
+    holds it (client_state.py)."""
     _check_tag(tag)
     _refuse_mid_accumulation(state)
-    _check_json(client_state, "client_state")
-    _check_json_size(client_state, "client_state")
-    return _scheduler_state(state), rank_state.encode_loader(state)
+    encoded = encode_client_state(client_state)
+    _check_json_size(encoded, "client_state")
+    return _scheduler_state(state), rank_state.encode_loader(state), encoded
 
 
 def _refuse_mid_accumulation(state) -> None:
@@ -184,20 +186,6 @@ def _agree_on_tag(state, tag: str) -> str:
     return chosen
 
 
-def _check_json(value, what: str) -> None:
-    """`value` must survive JSON unchanged (no tensors, tuples or non-string keys)."""
-    if _is_json(value):
-        return
-    bad = (
-        [k for k, v in value.items() if not _is_json({k: v})] if isinstance(value, Mapping) else []
-    )
-    where = f"{what}[{bad[0]!r}]" if bad else what
-    raise CheckpointError(
-        f"{where} does not survive JSON unchanged; checkpoints store client_state as JSON: use "
-        "numbers, strings, lists and dicts with string keys (tensor.tolist(), list(tuple))"
-    )
-
-
 # The most bytes of client_state as JSON: half of what read_meta accepts beside any tensor files
 # ([Note: meta.json size bound] in reader.py), so that every checkpoint saved can be loaded.
 CLIENT_STATE_BYTES = 8 << 20
@@ -212,23 +200,6 @@ def _check_json_size(value, what: str) -> None:
             "damaged); write large data to a file of your own beside the checkpoint and put its "
             "name in client_state"
         )
-
-
-def _is_json(value) -> bool:
-    try:
-        return json.loads(json.dumps(value, allow_nan=True)) == value and _no_tuples(value)
-    except (TypeError, ValueError):
-        return False
-
-
-def _no_tuples(value) -> bool:
-    if isinstance(value, tuple):
-        return False
-    if isinstance(value, list):
-        return all(_no_tuples(v) for v in value)
-    if isinstance(value, dict):
-        return all(_no_tuples(v) for v in value.values())
-    return True
 
 
 def _scheduler_state(state):

@@ -369,7 +369,8 @@ class Engine(DeepSpeedAPI, torch.nn.Module):
         RuntimeError under stage 3 when stage3_gather_16bit_weights_on_model_save is false
         (checkpoint.save_16bit_model)."""
         self._refuse_closed("save_16bit_model")
-        return checkpoint.save_16bit_model(self.state, save_dir, save_filename)
+        gather = self.parts.state_dict_gather
+        return checkpoint.save_16bit_model(self.state, save_dir, save_filename, gather)
 
     def save_pretrained(self, save_dir, max_shard_size="5GB", dtype=None) -> str:
         """Write the model in Hugging Face's layout (config.json and model.safetensors, or

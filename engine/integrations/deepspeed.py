@@ -45,6 +45,7 @@ import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .. import doorway
 from .placeholder import Placeholder
 
 logger = logging.getLogger("zero")
@@ -642,6 +643,7 @@ def install(shim_file: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules["deepspeed"] = module
+    doorway.enter()
     report_shadowed_deepspeed(os.path.dirname(os.path.dirname(os.path.abspath(shim_file))))
     return module
 

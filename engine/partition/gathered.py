@@ -77,7 +77,9 @@ class GatheredParameters:
     partitioned again from modifier_rank's full values (an inner context's modifier_rank when
     the outermost one's is None; rank 0's when none is set). Inner contexts on them communicate
     nothing, so rank 0 alone may open one (see [Note: held parameters] in init.py). Contexts
-    nest: a unit stays gathered until the outermost one exits.
+    nest: a unit stays gathered until the outermost one exits. Parameters of several engines
+    in one process (a trained model beside a reference model or an EMA copy) are gathered by
+    each engine that lays them out, engine by engine in the order of their first parameter.
 
     Inside the context, state_dict() of a stage-3 engine's model (or of any of its modules)
     communicates nothing, so one rank may call it alone, as in DeepSpeed's idiom for saving a
@@ -94,54 +96,50 @@ class GatheredParameters:
         self.params = [p for p in params if p is not None]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._units = []
-        self._counted = False  # counted in the gatherer's open contexts (stage 3)
+        self._entered = []  # per engine: (optimizer, its params, held units or None, versions)
         self._init_params = []  # zero.Init parameters gathered by this context
-        self._versions = None  # (params' version counters, steps' writes) once gathered
 
-    def _owner(self):
-        return next((o for p in self.params if (o := owner(p)) is not None), None)
+    def _by_owner(self) -> list:
+        """[(optimizer, params)] for each live engine laying out any of the parameters, in the
+        order of their first parameter: the same on every rank, so every rank enters the
+        engines' collectives in the same order (several engines in one process: a trained
+        model beside a reference or EMA copy)."""
+        groups: dict[int, tuple] = {}
+        for param in self.params:
+            optimizer = owner(param)
+            if optimizer is not None:
+                groups.setdefault(id(optimizer), (optimizer, []))[1].append(param)
+        return list(groups.values())
 
     def __enter__(self):
         if not self.enabled:
             return self
         self._enter_init_params()
-        optimizer = self._owner()
-        if optimizer is None:
-            return self
-        self._check_modifier(optimizer.comm.world_size)
-        gatherer = optimizer.gatherer
-        if gatherer is not None:
-            self._units = gatherer.units_of(self.params)
-            if any(u.state is not UnitState.GATHERED for u in self._units):
-                _enter(optimizer, "zero.GatheredParameters (enter)", self.params)
-            gatherer.hold(self._units)
-            gatherer.gathered_contexts += 1  # state_dict() inside reads, never gathers
-            self._counted = True
-        self._versions = _versions(optimizer, self.params)
+        for optimizer, params in self._by_owner():
+            self._check_modifier(optimizer.comm.world_size)
+            units = _enter_engine(optimizer, params)
+            self._entered.append((optimizer, params, units, _versions(optimizer, params)))
         return self
 
     def __exit__(self, *exc):
         if not self.enabled:
             return False
         unhold(self._init_params, self.modifier_rank)
-        optimizer = self._owner()
-        if optimizer is None:
-            return False
+        entered, self._entered = self._entered, []
         try:
-            if self.modifier_rank is not None:
-                method = "zero.GatheredParameters (exit, modifier_rank broadcast)"
-                _enter(optimizer, method, self.params, self.modifier_rank)
-                with torch.no_grad():
-                    _publish_modification(optimizer, self.params, self.modifier_rank)
-            elif self._versions is not None and exc[0] is None:  # no collective on an error
-                _refuse_changes(optimizer, self.params, self._versions)
+            for optimizer, params, _, versions in entered:
+                if self.modifier_rank is not None:
+                    method = "zero.GatheredParameters (exit, modifier_rank broadcast)"
+                    _enter(optimizer, method, params, self.modifier_rank)
+                    with torch.no_grad():
+                        _publish_modification(optimizer, params, self.modifier_rank)
+                elif exc[0] is None:  # no collective on an error path
+                    _refuse_changes(optimizer, params, versions)
         finally:
-            if self._counted:
-                optimizer.gatherer.gathered_contexts -= 1
-                self._counted = False
-            if self._units:
-                optimizer.gatherer.unhold(self._units)
+            for optimizer, _, units, _ in entered:
+                if units is not None:
+                    optimizer.gatherer.gathered_contexts -= 1
+                    optimizer.gatherer.unhold(units)
         return False
 
     def _check_modifier(self, world: int) -> None:
@@ -157,6 +155,20 @@ class GatheredParameters:
         if self._init_params:
             self._check_modifier(self._init_params[0].zero_shard.comm.world_size)
         hold(self._init_params)
+
+
+def _enter_engine(optimizer, params):
+    """Gather and hold the stage-3 units of one engine's `params` (stages 0-2 hold them whole):
+    the units held, or None below stage 3. Collective over that engine's group."""
+    gatherer = optimizer.gatherer
+    if gatherer is None:
+        return None
+    units = gatherer.units_of(params)
+    if any(u.state is not UnitState.GATHERED for u in units):
+        _enter(optimizer, "zero.GatheredParameters (enter)", params)
+    gatherer.hold(units)
+    gatherer.gathered_contexts += 1  # state_dict() inside reads, never gathers
+    return units
 
 
 def _enter(optimizer, method: str, params, modifier_rank=None) -> None:

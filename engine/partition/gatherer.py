@@ -80,6 +80,10 @@ class ParamGatherer(UnitHooks, SavedWeights):
         self._unit_of_param: dict[int, Unit] = {}
         self._gathered_storage: dict[int, object] = {}  # gathered buffer's data_ptr -> bucket
         self._hooks = []
+        # saved_weights() scopes open, innermost last: (caller's hooks, pack, unpack); and per
+        # module forward under way, the hooks _enter_saving put on (None: none)
+        self._scopes: list[tuple] = []
+        self._saving: list = []
         # multi-grad hooks on forward graphs not yet run ([Note: graph hooks and the engine's
         # lifetime] in unit_hooks.py); weak: a graph dropped without backward takes its hook along
         self._grad_hooks: weakref.WeakSet = weakref.WeakSet()
@@ -134,6 +138,7 @@ class ParamGatherer(UnitHooks, SavedWeights):
             if unit.persistent:
                 self.fetch(unit)
         self._install_hooks()
+        self._install_saving_hooks()
 
     def _describe_params(self) -> None:
         """DeepSpeed's attributes on every parameter of the model (ds_params.py), units all
@@ -515,28 +520,44 @@ class ParamGatherer(UnitHooks, SavedWeights):
     def unit_of(self, param) -> Unit | None:
         return self._unit_of_param.get(id(param))
 
-    def state_dict_units(self, params) -> tuple[list, bool]:
+    def state_dict_units(self, params, placeholders: bool = False) -> tuple[list, bool]:
         """(units, gathers) for a state_dict() over `params`: the units it holds while it runs,
         and whether holding them all-gathers (a collective). Inside an open
-        zero.GatheredParameters over this model's parameters it holds only the units already
-        gathered and gathers nothing, so one rank may call it alone (DeepSpeed's idiom:
-        GatheredParameters over a peft adapter's parameters, then save_pretrained on rank 0):
-        the other partitioned parameters then appear as their 0-element placeholders, as
-        DeepSpeed's state_dict() gives them."""
+        zero.GatheredParameters over this model's parameters, or with `placeholders` (a program
+        that came in through the doorway: DeepSpeed's state_dict() never gathers), it holds only
+        the units already gathered and gathers nothing, so one rank may call it alone
+        (DeepSpeed's idioms: GatheredParameters over a peft adapter's parameters, then
+        save_pretrained on rank 0; DeepSpeed-Chat's save_hf_format on rank 0): the other
+        partitioned parameters then appear as their 0-element placeholders, as DeepSpeed's
+        state_dict() gives them. Under the doorway that is said once as a warning."""
         units = self.units_of(params)
-        if not self.gathered_contexts:
+        if not self.gathered_contexts and not placeholders:
             return units, any(u.state is not UnitState.GATHERED for u in units)
         gathered = [u for u in units if u.state is UnitState.GATHERED]
         if len(gathered) < len(units) and not self._told_placeholders:
             self._told_placeholders = True
             left = next(u for u in units if u.state is not UnitState.GATHERED)
-            logger.info(
-                "state_dict() inside zero.GatheredParameters gathers nothing (one rank may call "
-                "it alone): the parameters of %d fetch units it does not hold (e.g. '%s') appear "
-                "as 0-element placeholders, as under DeepSpeed; hold them too for their values",
-                len(units) - len(gathered),
-                left.name,
-            )
+            if placeholders and not self.gathered_contexts:
+                logger.warning(
+                    "rank %d: state_dict() of a ZeRO stage-3 model under the DeepSpeed doorway "
+                    "returns the parameters of %d fetch units (e.g. '%s') as 0-element "
+                    "placeholders, as DeepSpeed does: a file written from it holds no weights. "
+                    "Save with engine.save_16bit_model(dir) or save_pretrained(dir) on every "
+                    "rank, or call state_dict() inside deepspeed.zero.GatheredParameters("
+                    "model.parameters()) (said once)",
+                    self.comm.rank,
+                    len(units) - len(gathered),
+                    left.name,
+                )
+            else:
+                logger.info(
+                    "state_dict() inside zero.GatheredParameters gathers nothing (one rank may "
+                    "call it alone): the parameters of %d fetch units it does not hold (e.g. "
+                    "'%s') appear as 0-element placeholders, as under DeepSpeed; hold them too "
+                    "for their values",
+                    len(units) - len(gathered),
+                    left.name,
+                )
         return gathered, False
 
     def units_of(self, params) -> list:

@@ -9,6 +9,7 @@ state dict reads the shards instead, checkpoint/full_state.py).
 
 import contextlib
 
+from .. import doorway
 from .init import guard_load_state_dict
 
 
@@ -20,6 +21,10 @@ class StateDictGather:
     def __init__(self, model, gatherer, config, comm):
         self.gatherer, self.config, self.comm = gatherer, config, comm
         self._listing = False  # zero lists entries without gathering
+        # Under the doorway state_dict() gives DeepSpeed's 0-element placeholders instead of
+        # gathering; zero's own saves (own_save()) still gather.
+        self._placeholders = doorway.entered()
+        self._own_save = False
         self._holds: list[list] = []
         for module in model.modules():
             # torch tags these hooks with attributes, which bound methods cannot take
@@ -37,16 +42,28 @@ class StateDictGather:
         finally:
             self._listing = False
 
+    @contextlib.contextmanager
+    def own_save(self):
+        """Inside, state_dict() gathers under the doorway too (zero's own saves: every rank
+        calls them). Not a collective."""
+        self._own_save = True
+        try:
+            yield
+        finally:
+            self._own_save = False
+
     def _gather(self, module, prefix, keep_vars) -> None:
         """Hold the units of `module`'s parameters gathered. Collective (every rank must call
         state_dict(), as for DeepSpeed's save_16bit_model) unless they are gathered already, or
         inside an open zero.GatheredParameters, where one rank may call it alone: it gathers
         nothing there and the parameters that context does not hold appear as 0-element
-        placeholders (ParamGatherer.state_dict_units). Raises RuntimeError when it would gather
+        placeholders (ParamGatherer.state_dict_units); so it is under the doorway, outside
+        own_save(), as DeepSpeed's state_dict(). Raises RuntimeError when it would gather
         and zero_optimization.stage3_gather_16bit_weights_on_model_save is false."""
         if self._listing:
             return
-        units, gathers = self.gatherer.state_dict_units(module.parameters())
+        placeholders = self._placeholders and not self._own_save
+        units, gathers = self.gatherer.state_dict_units(module.parameters(), placeholders)
         if gathers:
             if not self.config.zero.stage3_gather_16bit_weights_on_model_save:
                 raise RuntimeError(

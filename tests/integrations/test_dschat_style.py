@@ -1,6 +1,7 @@
 """A DeepSpeed-Chat step-1 style SFT program (programs/dschat_sft_program.py: get_accelerator,
 HfDeepSpeedConfig, LoRA sized from ds_shape, FusedAdam / DeepSpeedCPUAdam, a transformers
-scheduler, LoRA fused under GatheredParameters(modifier_rank=0), the ds_id-gated stage-3 save)
+scheduler, LoRA fused under GatheredParameters(modifier_rank=0), main.py's save: save_hf_format
+on rank 0 alone, then at stage 3 the ds_id-gated save_zero_three_model on every rank)
 started by DeepSpeed's `deepspeed` launcher under zero-as-deepspeed, 2 CPU ranks. Its saved model
 reloads with from_pretrained equal to the engine's weights, the LoRA update is fused into it, and
 stage 3 with CPU offload ends where stage 2 does."""
@@ -23,8 +24,9 @@ PROGRAM = Path(__file__).resolve().parent / "programs" / "dschat_sft_program.py"
 DOORWAY = [sys.executable, "-m", "zero.integrations.doorway_cli"]
 
 
-def sft(model_dir, out, *extra) -> dict:
-    """Run the program; returns the model from_pretrained reads back from its output."""
+def sft(model_dir, out, *extra) -> tuple[dict, str]:
+    """Run the program; returns the model from_pretrained reads back from its output, and the
+    program's output (stdout and stderr)."""
     from transformers import AutoModelForCausalLM
 
     command = [*DOORWAY, "deepspeed", "--num_gpus", "2", "--master_port", str(find_free_port())]
@@ -35,7 +37,8 @@ def sft(model_dir, out, *extra) -> dict:
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    return saved, result.stdout + result.stderr
 
 
 @pytest.mark.timeout(300)
@@ -44,9 +47,13 @@ def test_dschat_style_sft_saves_what_the_engine_trained(model_dir, tmp_path):
 
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     saved = {}
-    for stage, extra in ((2, ()), (3, ("--offload",))):
+    for stage, extra in ((2, ()), (3, ("--offload", "--persistence_threshold", "0"))):
         out = tmp_path / f"stage{stage}"
-        saved[stage] = sft(model_dir, out, "--zero_stage", str(stage), *extra)
+        saved[stage], output = sft(model_dir, out, "--zero_stage", str(stage), *extra)
+        # main.py's save_hf_format: rank 0 alone calls module.state_dict(); at stage 3 the
+        # doorway gives DeepSpeed's placeholders and says so once, then save_zero_three_model
+        # overwrites the file with the gathered weights.
+        assert output.count("0-element placeholders, as DeepSpeed does") == (stage == 3), output
         engine = load_file(out / "engine.safetensors")
         assert saved[stage].keys() == engine.keys() == initial.keys()
         for key, value in engine.items():  # every tensor whole, as the engine holds it

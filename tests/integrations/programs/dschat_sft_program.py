@@ -8,8 +8,10 @@ Idioms kept from DeepSpeed-Chat: get_accelerator() for the device and seeds, ini
 HfDeepSpeedConfig before from_pretrained at stage 3, a LoRA layer sized from `weight.ds_shape`,
 FusedAdam / DeepSpeedCPUAdam, a transformers scheduler passed to initialize, the engine's
 gradient_checkpointing_enable() and tput_timer, LoRA fused inside GatheredParameters(...,
-modifier_rank=0, enabled=hasattr(weight, "ds_id")), and the stage-3 save that gathers each
-parameter with `ds_id` whose ds_status is NOT_AVAILABLE and writes on rank 0.
+modifier_rank=0, enabled=hasattr(weight, "ds_id")), and main.py's save: save_hf_format on rank 0
+alone (module.state_dict(): DeepSpeed's 0-element placeholders at stage 3), then at stage 3
+save_zero_three_model, which gathers each parameter with `ds_id` whose ds_status is
+NOT_AVAILABLE on every rank and overwrites the file on rank 0.
 --reference_out writes, on rank 0, the fused model's weights gathered with GatheredParameters
 (for the test to compare with what from_pretrained reads back).
 """
@@ -87,29 +89,42 @@ def _z3_params_to_fetch(param_list):
     ]
 
 
-def save_zero_three_model(model_ema, global_rank, save_dir):
+def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):
+    zero_stage_3 = zero_stage == 3
     os.makedirs(save_dir, exist_ok=True)
+    output_model_file = os.path.join(save_dir, "pytorch_model.bin")
     model_to_save = model_ema.module if hasattr(model_ema, "module") else model_ema
-    output_state_dict = {}
-    for k, v in model_to_save.named_parameters():
-        if hasattr(v, "ds_id"):
-            with deepspeed.zero.GatheredParameters(_z3_params_to_fetch([v]), enabled=True):
-                v_p = v.data.cpu()
-        else:
-            v_p = v.cpu()
-        if global_rank == 0 and "lora" not in k:
-            output_state_dict[k] = v_p.clone()
-    if global_rank == 0:
-        torch.save(output_state_dict, os.path.join(save_dir, "pytorch_model.bin"))
-        model_to_save.config.to_json_file(os.path.join(save_dir, "config.json"))
+    if not zero_stage_3:
+        if global_rank == 0:
+            torch.save(model_to_save.state_dict(), output_model_file)
+    else:
+        output_state_dict = {}
+        for k, v in model_to_save.named_parameters():
+            if hasattr(v, "ds_id"):
+                with deepspeed.zero.GatheredParameters(
+                    _z3_params_to_fetch([v]), enabled=zero_stage_3
+                ):
+                    v_p = v.data.cpu()
+            else:
+                v_p = v.cpu()
+            if global_rank == 0 and "lora" not in k:
+                output_state_dict[k] = v_p
+        if global_rank == 0:
+            torch.save(output_state_dict, output_model_file)
+        del output_state_dict
 
 
-def save_hf_format(model, save_dir):
+def save_hf_format(model, args):
+    # DeepSpeed-Chat calls this on rank 0 alone, at every stage: at stage 3 state_dict() gives
+    # 0-element placeholders, which save_zero_three_model then overwrites with gathered weights.
     model_to_save = model.module if hasattr(model, "module") else model
-    os.makedirs(save_dir, exist_ok=True)
-    state = {k: v for k, v in model_to_save.state_dict().items() if "lora" not in k}
-    torch.save(state, os.path.join(save_dir, "pytorch_model.bin"))
-    model_to_save.config.to_json_file(os.path.join(save_dir, "config.json"))
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_dict = model_to_save.state_dict()
+    for key in list(save_dict.keys()):
+        if "lora" in key:
+            del save_dict[key]
+    torch.save(save_dict, os.path.join(args.output_dir, "pytorch_model.bin"))
+    model_to_save.config.to_json_file(os.path.join(args.output_dir, "config.json"))
 
 
 def ds_config(args):
@@ -122,7 +137,7 @@ def ds_config(args):
             "stage": args.zero_stage,
             "offload_param": {"device": device},
             "offload_optimizer": {"device": device},
-            "stage3_param_persistence_threshold": 1e4,
+            "stage3_param_persistence_threshold": args.persistence_threshold,
             "stage3_max_live_parameters": 3e7,
             "stage3_prefetch_bucket_size": 3e7,
             "memory_efficient_linear": False,
@@ -141,6 +156,8 @@ def main():
     parser.add_argument("--zero_stage", type=int, default=0)
     parser.add_argument("--lora_dim", type=int, default=0)
     parser.add_argument("--offload", action="store_true")
+    # DeepSpeed-Chat's 1e4 keeps every parameter of a tiny model whole; 0 partitions them all
+    parser.add_argument("--persistence_threshold", type=float, default=1e4)
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -194,10 +211,10 @@ def main():
     model.tput_timer.update_epoch_count()
 
     model = convert_lora_to_linear_layer(model)
+    if args.global_rank == 0:
+        save_hf_format(model, args)
     if args.zero_stage == 3:
-        save_zero_three_model(model, args.global_rank, args.output_dir)
-    elif args.global_rank == 0:
-        save_hf_format(model, args.output_dir)
+        save_zero_three_model(model, args.global_rank, args.output_dir, zero_stage=args.zero_stage)
     if args.reference_out:
         from safetensors.torch import save_file
 
