@@ -99,7 +99,7 @@ setup(
             "accelerate>=1.0",
             # DeepSpeed programs run unchanged through the doorway (tests/integrations/)
             "trl>=1.0",
-            "pytorch-lightning>=2.4",
+            "lightning>=2.4",
         ],
         # `pip install zero[hf]`: fine-tune Hugging Face models (docs/hf-models.md); tested with
         # transformers 5.24, peft 0.21, accelerate 1.15

@@ -9,6 +9,8 @@ set on every parameter they partition (deepspeed.runtime.zero.partition_paramete
     ds_tensor   this rank's partition of the parameter, a 1-D tensor
     ds_shape    torch.Size, the full shape
     ds_numel    int, the full number of elements
+    partition_numel()   int, the elements of ds_tensor (0 before it has values)
+    ds_summary()        dict of the above, for printing (DeepSpeed's keys)
 
 DeepSpeed-Chat saves a stage-3 model with `if hasattr(v, "ds_id")` and gathers the parameters
 whose `ds_status == NOT_AVAILABLE`; TRL reads `p.ds_status != ZeroParamStatus.AVAILABLE`; peft
@@ -28,13 +30,22 @@ with a weak reference cannot be filled in place by torch.utils.swap_tensors (che
 """
 
 import enum
+import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 
 MARK = "zero_ds_mark"  # the attribute holding zero's ZeroMark
-_NAMES = ("ds_id", "ds_status", "ds_tensor", "ds_shape", "ds_numel")
+_NAMES = (
+    "ds_id",
+    "ds_status",
+    "ds_tensor",
+    "ds_shape",
+    "ds_numel",
+    "partition_numel",
+    "ds_summary",
+)
 _IDS = itertools.count()
 
 
@@ -64,6 +75,31 @@ def describe(param: torch.nn.Parameter, shape) -> None:
     param.ds_id = zero_mark.ds_id
     param.ds_shape = torch.Size(shape)
     param.ds_numel = param.ds_shape.numel()
+    # DeepSpeed's parameter methods (Lightning's model summary calls partition_numel())
+    param.partition_numel = functools.partial(_partition_numel, param)
+    param.ds_summary = functools.partial(_ds_summary, param)
+
+
+def _partition_numel(param) -> int:
+    """Elements of this rank's partition (ds_tensor), 0 while it has none."""
+    tensor = param.__dict__.get("ds_tensor")
+    return 0 if tensor is None else tensor.numel()
+
+
+def _ds_summary(param) -> dict:
+    """DeepSpeed's param.ds_summary(): the attributes above in one dict."""
+    tensor = param.__dict__.get("ds_tensor")
+    return {
+        "id": param.ds_id,
+        "status": getattr(param, "ds_status", ZeroParamStatus.NOT_AVAILABLE).name,
+        "numel": param.numel(),
+        "ds_numel": param.ds_numel,
+        "shape": tuple(param.shape),
+        "ds_shape": tuple(param.ds_shape),
+        "requires_grad": param.requires_grad,
+        "grad_shape": tuple(param.grad.shape) if param.grad is not None else None,
+        "ds_tensor.shape": tuple(tensor.shape) if tensor is not None else None,
+    }
 
 
 def set_status(params, status: ZeroParamStatus) -> None:

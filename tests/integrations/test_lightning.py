@@ -72,11 +72,6 @@ def test_lightning_deepspeed_stage_2(model_dir, runs):
     check_run(model_dir, *runs(2))
 
 
-@pytest.mark.xfail(
-    reason="needs DeepSpeed's param.partition_numel() under the doorway (Lightning's model "
-    "summary at stage 3; issue 39, the parameter attributes); with it this passes",
-    strict=False,
-)
 @pytest.mark.timeout(600)
 def test_lightning_deepspeed_stage_3(model_dir, runs):
     result, out = runs(3)
@@ -98,11 +93,6 @@ def test_lightning_losses_equal_deepspeeds(model_dir, runs, tmp_path):
     run's best score equal zero's."""
     for stage in (2, 3):
         theirs = fit(model_dir, tmp_path / f"deepspeed{stage}", stage, doorway=False)
-        try:
-            ours = runs(stage)[0]
-        except AssertionError:
-            if stage == 3:
-                pytest.xfail("zero's stage-3 run needs param.partition_numel() (see above)")
-            raise
+        ours = runs(stage)[0]
         torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=0, atol=1e-6)
         torch.testing.assert_close(ours["best_scores"], theirs["best_scores"], rtol=0, atol=1e-6)

@@ -225,6 +225,12 @@ def stage3_case(out):
     }
     joined = _gathered_ds_tensors(model, dist.get_world_size())
     out["ds_tensor"] = {k: torch.equal(joined[k], full[k].reshape(-1)) for k in full}
+    # DeepSpeed's parameter methods: Lightning's model summary calls partition_numel()
+    out["partition_numel"] = {
+        n: p.partition_numel() == p.ds_tensor.numel()
+        and p.ds_summary()["ds_shape"] == tuple(p.ds_shape)
+        for n, p in model.named_parameters()
+    }
     out["ds_shape"] = {
         n: tuple(p.ds_shape) == tuple(full[n].shape) for n, p in model.named_parameters()
     }
@@ -353,6 +359,7 @@ def test_trl_and_peft_idioms(results):
 def test_ds_tensor_is_this_ranks_part_of_the_shard(results):
     for res in results:
         assert all(res["ds_tensor"].values()), res["ds_tensor"]
+        assert all(res["partition_numel"].values()), res["partition_numel"]
         assert all(res["ds_shape"].values())
         assert res["foreign"] == []  # zero's own attributes are not taken for DeepSpeed's
 
