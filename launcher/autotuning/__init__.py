@@ -84,13 +84,13 @@ class Tuning:
         )
         return [*self.launcher_argv, self.args.script, *script_args]
 
-    def run_trial(self, candidate: Candidate, round: int | None = None) -> trials.Outcome:
-        """One trial of `candidate`; a finalist `round` (1, 2, ...) gets its own directory
+    def run_trial(self, candidate: Candidate, finalist_round: int | None = None) -> trials.Outcome:
+        """One trial of `candidate`; a `finalist_round` (1, 2, ...) gets its own directory
         under the candidate's and FINALIST_WINDOW times the measured window."""
         directory = os.path.join(self.tuning.exps_dir, candidate.name)
         config = candidate_config(self.raw, candidate)
-        if round is not None:
-            directory = os.path.join(directory, f"round{round}")
+        if finalist_round is not None:
+            directory = os.path.join(directory, f"round{finalist_round}")
             start, end = self.tuning.start_profile_step, self.tuning.end_profile_step
             window = {"end_profile_step": start + FINALIST_WINDOW * (end - start)}
             config["autotuning"] = {**(config.get("autotuning") or {}), **window}
@@ -238,16 +238,7 @@ def finalists(tune: Tuning, rows: list[Row], best: Row) -> Row:
     chosen = sorted(measured, key=lambda row: row.metric(metric), reverse=True)[:count]
     if len(chosen) < 2:
         return best
-    total = tune.tuning.finalist_rounds
-    names = ", ".join(row.candidate.name for row in chosen)
-    _say(f"measuring the {len(chosen)} best again in {total} interleaved rounds: {names}")
-    for number in range(1, total + 1):
-        shift = (number - 1) % len(chosen)
-        for row in chosen[shift:] + chosen[:shift]:
-            outcome = tune.run_trial(row.candidate, round=number)
-            row.rounds.append(outcome.record)
-            shown = Row(row.candidate, "ok", row.predicted_peak, outcome.record, outcome.last_line)
-            _say(f"[finalists, round {number}/{total}] {_progress(shown, outcome)}")
+    _rounds(tune, chosen)
     medians = {row.candidate: statistics.median(row.round_metrics(metric)) for row in chosen}
     winner = max(chosen, key=lambda row: medians[row.candidate])
     if medians[winner.candidate] <= 0:
@@ -262,6 +253,19 @@ def finalists(tune: Tuning, rows: list[Row], best: Row) -> Row:
         + ", ".join(f"{row.candidate.name} {medians[row.candidate]:.4g}" for row in chosen)
     )
     return winner
+
+
+def _rounds(tune: Tuning, chosen: list[Row]) -> None:
+    total = tune.tuning.finalist_rounds
+    names = ", ".join(row.candidate.name for row in chosen)
+    _say(f"measuring the {len(chosen)} best again in {total} interleaved rounds: {names}")
+    for number in range(1, total + 1):
+        shift = (number - 1) % len(chosen)
+        for row in chosen[shift:] + chosen[:shift]:
+            outcome = tune.run_trial(row.candidate, finalist_round=number)
+            row.rounds.append(outcome.record)
+            shown = Row(row.candidate, "ok", row.predicted_peak, outcome.record, outcome.last_line)
+            _say(f"[finalists, round {number}/{total}] {_progress(shown, outcome)}")
 
 
 def _record(row: Row, outcome: trials.Outcome) -> None:

@@ -233,9 +233,10 @@ def test_finalists_are_measured_again_and_the_best_median_wins():
     rows[0].status = "best"
     calls = []
 
-    def run_trial(candidate, round=None):
-        calls.append((by_name[candidate], round))
-        return autotuning.trials.Outcome(0, _record(scripted[by_name[candidate]][round - 1]), "")
+    def run_trial(candidate, finalist_round=None):
+        calls.append((by_name[candidate], finalist_round))
+        figure = scripted[by_name[candidate]][finalist_round - 1]
+        return autotuning.trials.Outcome(0, _record(figure), "")
 
     tune = SimpleNamespace(tuning=tuning(), run_trial=run_trial)
     best = autotuning.finalists(tune, rows, rows[0])
@@ -280,7 +281,7 @@ def test_a_finalist_round_measures_a_longer_window_in_its_own_directory(tmp_path
     seen = []
     monkeypatch.setattr(autotuning.trials, "run", lambda argv, *rest: seen.append(argv))
     candidate = Candidate(1, "none", 4, 1)
-    tune.run_trial(candidate, round=2)
+    tune.run_trial(candidate, finalist_round=2)
     path = tmp_path / "z1_none_mbs4" / "round2" / "config.json"
     config = json.loads(path.read_text())
     # twice the window of steps 2-5: steps 2-8
