@@ -3,7 +3,7 @@
 The tuner itself is a launcher feature (launcher/autotuning/, docs/tuning.md); the engine reads
 only start_profile_step and end_profile_step, and only in a trial the tuner started
 (zero.autotuning). Keys and defaults follow DeepSpeed 0.19.8's deepspeed/autotuning/constants.py;
-`max_memory_per_rank` and `timeout` are zero's own.
+`max_memory_per_rank`, `timeout`, `num_finalists` and `finalist_rounds` are zero's own.
 """
 
 from typing import Annotated, Any, Literal
@@ -111,6 +111,15 @@ class AutotuningConfig(_Block):
         "dropped. Default: the device's memory (CPU ranks: host memory / ranks per node).",
     )
     timeout: Count = Field(600, description="zero: seconds a trial may run before it is ended.")
+    num_finalists: CountOrZero = Field(
+        3,
+        description="zero: the best candidates of the search measured again, in "
+        "finalist_rounds interleaved rounds with twice the window, the pick by the median; "
+        "0 or 1: the search's best stands.",
+    )
+    finalist_rounds: Count = Field(
+        3, description="zero: rounds over the finalists (one trial of each per round)."
+    )
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "AutotuningConfig":

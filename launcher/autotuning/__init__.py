@@ -9,7 +9,9 @@ fastest here, by predicting before running (docs/tuning.md).
    and drops those predicted not to fit.
 3. search.py orders the rest (autotuning.tuner_type). A failed trial is recorded and the search
    goes on.
-4. report.py writes the table, the best config and the plot; `run` then starts the real job with
+4. The num_finalists best are measured again, in finalist_rounds interleaved rounds with a
+   longer window; the best median wins (one short window on a shared machine misleads).
+5. report.py writes the table, the best config and the plot; `run` then starts the real job with
    the best config.
 """
 
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 
@@ -32,6 +35,7 @@ from .space import Candidate, candidate_config, candidates
 __all__ = ["autotune"]
 
 PROBE_TRIES = 3  # candidates tried, smallest first, before a tune gives up for want of facts
+FINALIST_WINDOW = 2  # a finalist round measures this many times the search's window
 
 
 def _say(text: str) -> None:
@@ -80,10 +84,17 @@ class Tuning:
         )
         return [*self.launcher_argv, self.args.script, *script_args]
 
-    def run_trial(self, candidate: Candidate) -> trials.Outcome:
+    def run_trial(self, candidate: Candidate, finalist_round: int | None = None) -> trials.Outcome:
+        """One trial of `candidate`; a `finalist_round` (1, 2, ...) gets its own directory
+        under the candidate's and FINALIST_WINDOW times the measured window."""
         directory = os.path.join(self.tuning.exps_dir, candidate.name)
-        os.makedirs(directory, exist_ok=True)
         config = candidate_config(self.raw, candidate)
+        if finalist_round is not None:
+            directory = os.path.join(directory, f"round{finalist_round}")
+            start, end = self.tuning.start_profile_step, self.tuning.end_profile_step
+            window = {"end_profile_step": start + FINALIST_WINDOW * (end - start)}
+            config["autotuning"] = {**(config.get("autotuning") or {}), **window}
+        os.makedirs(directory, exist_ok=True)
         config_path = os.path.join(directory, "config.json")
         prefix = os.path.join(directory, "metrics")
         if not self.tuning.overwrite:
@@ -215,6 +226,48 @@ def search(tune: Tuning, rows: list[Row], tried: list[Row]) -> Row:
     return best
 
 
+def finalists(tune: Tuning, rows: list[Row], best: Row) -> Row:
+    """Measure the num_finalists best measured rows again in finalist_rounds rounds (one trial
+    of each per round, the order rotated each round, so a change of load on a shared machine
+    hits each alike) and return the one with the best median metric over the rounds; a failed
+    round counts as 0. Returns `best` when fewer than two rows were measured or
+    num_finalists < 2, and when no finalist round reported (the script may end before the
+    longer window does)."""
+    metric, count = tune.tuning.metric, tune.tuning.num_finalists
+    measured = [row for row in rows if row.metric(metric) is not None]
+    chosen = sorted(measured, key=lambda row: row.metric(metric), reverse=True)[:count]
+    if len(chosen) < 2:
+        return best
+    _rounds(tune, chosen)
+    medians = {row.candidate: statistics.median(row.round_metrics(metric)) for row in chosen}
+    winner = max(chosen, key=lambda row: medians[row.candidate])
+    if medians[winner.candidate] <= 0:
+        _say(
+            f"no finalist round reported (does the script run {FINALIST_WINDOW} times the "
+            "window?); the search's best stands"
+        )
+        return best
+    best.status, winner.status = "ok", "best"
+    _say(
+        f"finalists' median {metric}: "
+        + ", ".join(f"{row.candidate.name} {medians[row.candidate]:.4g}" for row in chosen)
+    )
+    return winner
+
+
+def _rounds(tune: Tuning, chosen: list[Row]) -> None:
+    total = tune.tuning.finalist_rounds
+    names = ", ".join(row.candidate.name for row in chosen)
+    _say(f"measuring the {len(chosen)} best again in {total} interleaved rounds: {names}")
+    for number in range(1, total + 1):
+        shift = (number - 1) % len(chosen)
+        for row in chosen[shift:] + chosen[:shift]:
+            outcome = tune.run_trial(row.candidate, finalist_round=number)
+            row.rounds.append(outcome.record)
+            shown = Row(row.candidate, "ok", row.predicted_peak, outcome.record, outcome.last_line)
+            _say(f"[finalists, round {number}/{total}] {_progress(shown, outcome)}")
+
+
 def _record(row: Row, outcome: trials.Outcome) -> None:
     if outcome.record is not None and outcome.record.get("samples_per_s") is not None:
         row.status, row.record = "ok", outcome.record
@@ -263,7 +316,7 @@ def autotune(args, argv: list[str]) -> int:
     rows = planned_rows(tune, space, facts, tried)
     dropped = sum(row.status == "dropped" for row in rows)
     _say(f"the planner drops {dropped} of {len(rows) - len(tried)} other candidates as too large")
-    best = search(tune, rows, tried)
+    best = finalists(tune, rows, search(tune, rows, tried))
     best_config = candidate_config(tune.raw, best.candidate)
     optimal = os.path.join(tune.tuning.results_dir, "ds_config_optimal.json")
     command = ["zrun", *tune.argv_for(optimal, best_config)]

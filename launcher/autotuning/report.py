@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import os
+import statistics
 
 from .space import Candidate
 
@@ -23,6 +24,8 @@ COLUMNS = (
     "step_ms",
     "samples_per_s",
     "TFLOP_per_s",
+    "finalist_samples_per_s",
+    "finalist_median",
     "why",
 )
 
@@ -37,6 +40,7 @@ class Row:
     predicted_peak: int | None = None
     record: dict | None = None
     why: str = ""
+    rounds: list = dataclasses.field(default_factory=list)  # finalist rounds' records (or None)
 
     def metric(self, metric: str) -> float | None:
         """The tuned metric, higher is better (latency: 1 / step seconds); None if unmeasured."""
@@ -47,8 +51,14 @@ class Row:
         key = {"throughput": "samples_per_s", "flops": "tflops"}[metric]
         return self.record.get(key)
 
+    def round_metrics(self, metric: str) -> list[float]:
+        """The metric of each finalist round, 0.0 for a round that reported nothing."""
+        found = [Row(self.candidate, "ok", record=r).metric(metric) for r in self.rounds]
+        return [0.0 if value is None else value for value in found]
+
     def values(self) -> dict:
         c, r = self.candidate, self.record or {}
+        rounds = self.round_metrics("throughput")
 
         def fixed(value, scale=1.0, digits=3, kind="f"):
             return "" if value is None else f"{value * scale:.{digits}{kind}}"
@@ -66,6 +76,8 @@ class Row:
             "step_ms": fixed(r.get("step_seconds"), 1e3, 1),
             "samples_per_s": fixed(r.get("samples_per_s"), 1.0, 2),
             "TFLOP_per_s": fixed(r.get("tflops"), 1.0, 4, "g"),
+            "finalist_samples_per_s": " ".join(fixed(x, 1.0, 2) for x in rounds) or "",
+            "finalist_median": fixed(statistics.median(rounds) if rounds else None, 1.0, 2),
             "why": self.why,
         }
 

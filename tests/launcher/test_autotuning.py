@@ -206,3 +206,87 @@ def test_overwrite_false_reuses_an_earlier_result(tmp_path):
     outcome = _earlier(str(tmp_path / "config.json"), config, str(prefix))
     assert outcome.record == {"rank": 0, "peak_bytes": 7}  # rank 0's, with the largest peak
     assert _earlier(str(tmp_path / "config.json"), {"other": 1}, str(prefix)) is None
+
+
+def _record(samples_per_s):
+    if samples_per_s is None:
+        return None
+    return {"samples_per_s": samples_per_s, "step_seconds": 1 / samples_per_s, "peak_bytes": 1}
+
+
+def test_finalists_are_measured_again_and_the_best_median_wins():
+    from types import SimpleNamespace
+
+    from zero.launcher import autotuning
+    from zero.launcher.autotuning.report import Row, table
+
+    names = ("lucky", "steady", "flaky", "slow")
+    # The search's single window: "lucky" leads; over three rounds it is slowest.
+    search = dict(zip(names, (500.0, 300.0, 250.0, 100.0)))
+    scripted = {"lucky": [90.0, 400.0, 80.0], "steady": [280.0, 290.0, 100.0]}
+    scripted["flaky"] = [240.0, 260.0, None]  # a round that reported nothing counts as 0
+    rows = [
+        Row(Candidate(2, "none", 2**i, 1), "ok", record=_record(search[n]))
+        for i, n in enumerate(names)
+    ]
+    by_name = {row.candidate: name for row, name in zip(rows, names)}
+    rows[0].status = "best"
+    calls = []
+
+    def run_trial(candidate, finalist_round=None):
+        calls.append((by_name[candidate], finalist_round))
+        figure = scripted[by_name[candidate]][finalist_round - 1]
+        return autotuning.trials.Outcome(0, _record(figure), "")
+
+    tune = SimpleNamespace(tuning=tuning(), run_trial=run_trial)
+    best = autotuning.finalists(tune, rows, rows[0])
+    assert by_name[best.candidate] == "steady" and best.status == "best"
+    assert rows[0].status == "ok"
+    # three interleaved rounds over the three best, the order rotated each round; "slow" is out
+    assert calls == [
+        ("lucky", 1), ("steady", 1), ("flaky", 1),
+        ("steady", 2), ("flaky", 2), ("lucky", 2),
+        ("flaky", 3), ("lucky", 3), ("steady", 3),
+    ]  # fmt: skip
+    values = {by_name[row.candidate]: row.values() for row in rows}
+    assert values["lucky"]["finalist_samples_per_s"] == "90.00 400.00 80.00"
+    assert values["lucky"]["finalist_median"] == "90.00"
+    assert values["lucky"]["samples_per_s"] == "500.00"  # the search's window, as it was
+    assert values["steady"]["finalist_median"] == "280.00"
+    assert values["flaky"]["finalist_samples_per_s"] == "240.00 260.00 0.00"
+    assert values["slow"]["finalist_samples_per_s"] == values["slow"]["finalist_median"] == ""
+    assert "| 90.00 400.00 80.00" in table(rows)
+
+    # num_finalists 0, or fewer than two measured rows: the search's best stands, nothing runs
+    calls.clear()
+    off = SimpleNamespace(tuning=tuning(num_finalists=0), run_trial=run_trial)
+    assert autotuning.finalists(off, rows, rows[3]) is rows[3]
+    assert autotuning.finalists(tune, rows[:1], rows[0]) is rows[0]
+    assert calls == []
+    # no round reports (the script ends before the longer window): the search's best stands
+    for row in rows:
+        row.rounds, row.status = [], "ok"
+    scripted.update({name: [None] * 3 for name in names})
+    assert autotuning.finalists(tune, rows, rows[3]) is rows[3]
+
+
+def test_a_finalist_round_measures_a_longer_window_in_its_own_directory(tmp_path, monkeypatch):
+    from zero.launcher import autotuning
+
+    tune = object.__new__(autotuning.Tuning)
+    tune.raw = {"train_micro_batch_size_per_gpu": 1, "autotuning": {"timeout": 60}}
+    tune.tuning = tuning(start_profile_step=2, end_profile_step=5, exps_dir=str(tmp_path))
+    tune.script_args, tune.launcher_argv = ["--config", "ds.json"], []
+    tune.args = type("Args", (), {"script": "train.py"})
+    seen = []
+    monkeypatch.setattr(autotuning.trials, "run", lambda argv, *rest: seen.append(argv))
+    candidate = Candidate(1, "none", 4, 1)
+    tune.run_trial(candidate, finalist_round=2)
+    path = tmp_path / "z1_none_mbs4" / "round2" / "config.json"
+    config = json.loads(path.read_text())
+    # twice the window of steps 2-5: steps 2-8
+    assert config["autotuning"] == {"timeout": 60, "end_profile_step": 8}
+    assert seen == [["train.py", "--config", str(path)]]
+    tune.run_trial(candidate)  # a search trial: the config's own window
+    search_config = json.loads((tmp_path / "z1_none_mbs4" / "config.json").read_text())
+    assert search_config["autotuning"] == {"timeout": 60}
