@@ -89,7 +89,8 @@ def compile_model(
     else:
         for name, block in blocks(module, gatherer):
             forward = torch.compile(block.forward, backend=backend, **kwargs)
-            block.forward = _BlockForward(forward, _marked_exit_hooks(block, gatherer))
+            marked = _marked_exit_hooks(block, gatherer)
+            block.forward = _BlockForward(forward, marked, gatherer.saving)
             compiled.modules.append((name, block))
     logger.info(
         "engine.compile: backend %s%s, compiled %s",
@@ -135,15 +136,18 @@ def _compile_forward(module, backend, kwargs) -> None:
 
 
 class _BlockForward:
-    """A block's compiled forward, run without UsageGuard on the mode stack and with the guard's
-    inner exit hooks unmarked ([Note: what is compiled])."""
+    """A block's compiled forward, run without UsageGuard on the mode stack, with the guard's
+    inner exit hooks unmarked, and saving gathered weights by reference (`saving`, the
+    gatherer's: the inner modules' own saving hooks are traced and do nothing) ([Note: what is
+    compiled])."""
 
-    def __init__(self, compiled, marked: list):
+    def __init__(self, compiled, marked: list, saving):
         self.compiled = compiled
         self.marked = marked  # (always-called table, hook id) of the block's inner modules
+        self.saving = saving
 
     def __call__(self, *args, **kwargs):
-        with _without_usage_guard(), self._unmarked():
+        with _without_usage_guard(), self._unmarked(), self.saving():
             return self.compiled(*args, **kwargs)
 
     @contextlib.contextmanager

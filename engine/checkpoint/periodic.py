@@ -291,7 +291,7 @@ def snapshot(state, save_dir: str, wait_timeout_s: float) -> _Snapshot:
     (tag global_step{N}). Collective; raises CheckpointError on every rank, before anything is
     written, as writer.save does."""
     tag = f"global_step{state.counters.global_steps}"
-    scheduler_state, loader_state = _on_every_rank(
+    scheduler_state, loader_state, client_state = _on_every_rank(
         state, "check the checkpoint tag and state", lambda: _check_inputs(state, tag, {})
     )
     tag = _agree_on_tag(state, tag)
@@ -303,7 +303,7 @@ def snapshot(state, save_dir: str, wait_timeout_s: float) -> _Snapshot:
     module_tensors = meta = None
     if rank == 0:
         module_tensors = module_file_tensors(state, frozen, {}, True)
-        meta = _meta(state, tag, {}, scheduler_state, {}, {}, None)
+        meta = _meta(state, tag, client_state, scheduler_state, {}, {}, None)
     event = None
     if state.device.type == "cuda":
         event = torch.cuda.Event()

@@ -85,10 +85,24 @@ class SavedWeights:
 
         return hook
 
+    @contextlib.contextmanager
+    def saving(self):
+        """Save gathered weights by reference for the duration, as in the forward of a module
+        holding parameters: around a compiled stage-3 block's forward (compiler.py), inside
+        which the modules' own hooks are traced and do nothing."""
+        self._enter_saving(None, ())
+        try:
+            yield
+        finally:
+            self._exit_saving(None, (), None)
+
     def _enter_saving(self, module, args):
         """Forward pre-hook of a module holding parameters directly: its saves go through the
         scope's hooks, unless hooks of someone else's (a non-reentrant checkpoint's) came on top
-        of the scope's, or nothing is recorded for backward."""
+        of the scope's, or nothing is recorded for backward. Nothing while torch.compile traces
+        (saving() opened them around the compiled block)."""
+        if torch.compiler.is_compiling():
+            return
         hooks = None
         if self._saving_by_reference():
             _, pack, unpack = self._scopes[-1]
@@ -97,6 +111,8 @@ class SavedWeights:
         self._saving.append(hooks)
 
     def _exit_saving(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return
         hooks = self._saving.pop()
         if hooks is not None:
             hooks.__exit__(None, None, None)
