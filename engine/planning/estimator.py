@@ -347,6 +347,21 @@ def partial_offload(layout, stage, device, cluster, options, activations, retent
     return row
 
 
+def activation_terms(shape, options) -> tuple:
+    """(activations, retention) of one micro-batch of `shape` under `options`: the
+    activation_bytes breakdown (None without a shape) and, on the CPU, the bytes glibc keeps
+    after a step without checkpointing (GLIBC_RETENTION of its peak; 0 elsewhere)."""
+    if shape is None:
+        return None, 0
+    compute = DTYPE_BYTES[options.dtype]
+    activations = activation_bytes(shape, compute, options.checkpointing)
+    retention = 0
+    if options.cpu:
+        full = activation_bytes(shape, compute, checkpointing=False)
+        retention = int(GLIBC_RETENTION * full.peak)
+    return activations, retention
+
+
 def estimate(
     num_params: int,
     cluster: Cluster,
@@ -359,13 +374,7 @@ def estimate(
     (offload_optimizer.ratio; parameter offload is not estimated). `model` (optional, may live
     on the meta device) gives the exact layout; `shape` adds the activations of one
     micro-batch (without it, per_device counts no activations)."""
-    activations, retention = None, 0
-    if shape is not None:
-        compute = DTYPE_BYTES[options.dtype]
-        activations = activation_bytes(shape, compute, options.checkpointing)
-        if options.cpu:
-            full = activation_bytes(shape, compute, checkpointing=False)
-            retention = int(GLIBC_RETENTION * full.peak)
+    activations, retention = activation_terms(shape, options)
     rows = []
     for stage in range(4):
         shards = shard_count(stage, cluster, options)

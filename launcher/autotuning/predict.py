@@ -8,15 +8,15 @@ import torch
 
 from zero.config import AutotuningConfig, load_config
 from zero.planning.estimator import (
-    DTYPE_BYTES,
     Cluster,
     Estimate,
     Options,
+    activation_terms,
     count_layout,
     estimate_stage,
     shard_count,
 )
-from zero.planning.footprint import GLIBC_RETENTION, TransformerShape, activation_bytes
+from zero.planning.footprint import TransformerShape
 
 from .space import without_auto
 
@@ -111,13 +111,7 @@ def predict(candidate_config: dict, facts: ModelFacts, machine: Machine) -> Esti
         facts.num_params, shard_count(stage, cluster, options), options.bucket_numel
     )
     shape = facts.shape(config.train_micro_batch_size_per_gpu)
-    activations, retention = None, 0
-    if shape is not None:
-        compute = DTYPE_BYTES[options.dtype]
-        activations = activation_bytes(shape, compute, options.checkpointing)
-        if machine.cpu:
-            full = activation_bytes(shape, compute, checkpointing=False)
-            retention = int(GLIBC_RETENTION * full.peak)
+    activations, retention = activation_terms(shape, options)
     device = config.zero.offload_optimizer.device
     offload = device != "none"
     return estimate_stage(
