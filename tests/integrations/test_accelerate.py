@@ -10,8 +10,6 @@ the same loop run as one plain process (no DeepSpeed): the reference.
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from launched import run_launched  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from zero.launcher.world import find_free_port  # noqa: E402
@@ -44,10 +43,7 @@ same_network: true
 
 
 def run(command, out) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_launched(command, timeout=240)
     with open(out / "result.json") as handle:
         return json.load(handle)
 

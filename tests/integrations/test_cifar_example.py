@@ -5,12 +5,11 @@ deprecated zero_optimization.cpu_offload included. Before, it stopped at its imp
 deepspeed.moe.utils. Stage 3's losses equal stage 2's (fp32); bf16 runs to its end."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launched import run_launched
 
 from zero.launcher.world import find_free_port
 
@@ -21,10 +20,7 @@ DOORWAY = [sys.executable, "-m", "zero.integrations.doorway_cli"]
 def run(stage: int, dtype: str) -> dict:
     command = [*DOORWAY, "deepspeed", "--num_gpus", "2", "--master_port", str(find_free_port())]
     command += [str(PROGRAM), "--stage", str(stage), "--dtype", dtype, "--deepspeed"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = run_launched(command, timeout=240)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, result.stdout[-2000:]
     return json.loads(lines[0])

@@ -6,8 +6,6 @@ started by DeepSpeed's `deepspeed` launcher under zero-as-deepspeed, 2 CPU ranks
 reloads with from_pretrained equal to the engine's weights, the LoRA update is fused into it, and
 stage 3 with CPU offload ends where stage 2 does."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from launched import run_launched  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from zero.launcher.world import find_free_port  # noqa: E402
@@ -33,10 +32,7 @@ def sft(model_dir, out, *extra) -> tuple[dict, str]:
     command += [str(PROGRAM), "--model_dir", str(model_dir), "--output_dir", str(out / "model")]
     command += ["--lora_dim", "4", "--reference_out", str(out / "engine.safetensors")]
     command += [*extra, "--deepspeed"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = run_launched(command, timeout=240)
     saved = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
     return saved, result.stdout + result.stderr
 

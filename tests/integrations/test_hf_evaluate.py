@@ -6,8 +6,6 @@ the model alone), and the eval loss, the test loss and the predicted logits of 2
 those of the same program on one process without DeepSpeed."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,8 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+
+from launched import run_launched  # noqa: E402
 
 from zero.launcher.world import find_free_port  # noqa: E402
 
@@ -54,10 +54,7 @@ def evaluate(model_dir, out, *extra, ranks: int) -> tuple[dict, torch.Tensor]:
     if ranks > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
         command = [*DOORWAY, *command, "--master_port", str(find_free_port()), *program]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_launched(command, timeout=240)
     with open(out / "result.json") as handle:
         return json.load(handle), torch.load(out / "logits.pt")
 

@@ -5,8 +5,6 @@ weights equal the same program on torch DDP, and (stage 3) a run resumed from it
 checkpoint ends bitwise equal to the uninterrupted one."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from launched import run_launched  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from zero.launcher.world import find_free_port  # noqa: E402
@@ -55,16 +54,7 @@ def train(model_dir, out, *extra, doorway=True) -> dict:
     command += ["--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--seed", "0"]
     command += ["--per_device_train_batch_size", "4", "--logging_steps", "1", "--use_cpu"]
     command += ["--learning_rate", "1e-2", "--report_to", "none", *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(
-        [*DOORWAY, *command] if doorway else command,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_launched([*DOORWAY, *command] if doorway else command, timeout=240)
     with open(out / "result.json") as handle:
         return json.load(handle)
 

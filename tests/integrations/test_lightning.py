@@ -10,13 +10,12 @@ it gives the same losses."""
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launched import run_launched
 
 pytest.importorskip("lightning")
 
@@ -29,10 +28,7 @@ def fit(model_dir, out: Path, stage: int, doorway: bool = True) -> dict:
     command = [*DOORWAY] if doorway else []
     command += [sys.executable, str(PROGRAM), "--model_dir", str(model_dir)]
     command += ["--out", str(out), "--stage", str(stage)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_launched(command, timeout=300)
     with open(out / "result.json") as handle:
         return json.load(handle)
 

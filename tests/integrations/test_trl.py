@@ -9,8 +9,6 @@ Each model trainer.save_model() wrote reloads full-size with from_pretrained and
 rank.)"""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,13 +17,16 @@ import torch
 
 pytest.importorskip("trl")
 
+from launched import run_launched  # noqa: E402
+from test_hf_trainer import ds_config  # noqa: E402
+
 from zero.launcher.world import find_free_port  # noqa: E402
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 DOORWAY = [sys.executable, "-m", "zero.integrations.doorway_cli"]
 
 
-def ds_config(stage: int) -> dict:
+def trl_config(stage: int) -> dict:
     zero_optimization = {"stage": stage, "reduce_bucket_size": "auto"}
     if stage == 3:  # partition the tiny model for real; save_model gathers it
         zero_optimization |= {
@@ -33,32 +34,21 @@ def ds_config(stage: int) -> dict:
             "stage3_prefetch_bucket_size": "auto",
             "stage3_gather_16bit_weights_on_model_save": True,
         }
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "train_batch_size": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": zero_optimization,
-        "bf16": {"enabled": "auto"},
-        "fp16": {"enabled": "auto"},
-    }
+    return ds_config(zero_optimization)
 
 
 def run(program: str, model_dir, out: Path, stage: int, *extra) -> dict:
     """Run programs/`program` on 2 ranks; returns its result.json (the losses, the step)."""
     config = out / "ds_config.json"
     out.mkdir(parents=True)
-    config.write_text(json.dumps(ds_config(stage)))
+    config.write_text(json.dumps(trl_config(stage)))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_port", str(find_free_port()), str(PROGRAMS / program)]
     command += ["--model_dir", str(model_dir), "--output_dir", str(out), "--deepspeed", str(config)]
     command += ["--logging_steps", "1", "--seed", "0", "--report_to", "none"]
     command += ["--save_strategy", "no", "--use_cpu", *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
     argv = [*DOORWAY, *command]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=400, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_launched(argv, timeout=400)
     with open(out / "result.json") as handle:
         return json.load(handle)
 
