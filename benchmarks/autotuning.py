@@ -9,8 +9,9 @@ trials measured (docs/tuning.md).
 2. runs every candidate the planner dropped anyway, to see whether it would have exceeded the
    budget (the planner's verdict checked against a measurement);
 3. measures the tuned config and the hand-picked ones (configs/zero0..3.json and the
-   offload config, as shipped) the same way, each --repeats times, alternating, and prints
-   the medians.
+   offload config, as shipped) the same way, over a window of --compare_steps optimizer steps
+   (each step timed, the median kept), each --repeats times, alternating, and prints the
+   medians and each one's ratio to the tuned config.
 Timings hold for the machine that ran them; on a shared machine repeat before comparing.
 """
 
@@ -31,7 +32,8 @@ from zero.launcher.autotuning.space import Candidate, candidate_config
 
 ROOT = Path(__file__).resolve().parent.parent
 HAND_PICKED = ("zero0", "zero1", "zero2", "zero3", "zero2_offload")
-WINDOW = {"start_profile_step": 2, "end_profile_step": 5}
+WINDOW = {"start_profile_step": 2, "end_profile_step": 5}  # the search's (DeepSpeed's is 3-5)
+SCRIPT_STEPS = 120  # room for finalist rounds and the comparison's window
 
 
 def gpt_workload(out: Path, args) -> tuple[list[str], list[str], dict]:
@@ -40,7 +42,7 @@ def gpt_workload(out: Path, args) -> tuple[list[str], list[str], dict]:
     corpus.write_text((ROOT / "examples" / "gpt.py").read_text() * 20)
     script = [str(ROOT / "examples" / "train.py"), "--config", "CONFIG", "--data", str(corpus)]
     script += ["--n_layer", "2", "--n_embd", "64", "--n_head", "4", "--block_size", "64"]
-    script += ["--steps", "10", "--eval_batches", "1"]  # finalists measure steps 2-8
+    script += ["--steps", str(SCRIPT_STEPS), "--eval_batches", "1"]
     base = read_mapping(ROOT / "configs" / "zero2.json")
     return [sys.executable, "-m", "zero.launcher", "--num_gpus", str(args.ranks)], script, base
 
@@ -63,7 +65,7 @@ def hf_workload(out: Path, args) -> tuple[list[str], list[str], dict]:
     transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
     program = ROOT / "tests" / "integrations" / "programs" / "trainer_program.py"
     script = [str(program), "--model_dir", str(model_dir), "--output_dir", str(out / "trainer")]
-    script += ["--deepspeed", "CONFIG", "--max_steps", "10", "--num_samples", "512"]
+    script += ["--deepspeed", "CONFIG", "--max_steps", str(SCRIPT_STEPS), "--num_samples", "512"]
     script += ["--seq_len", "32", "--per_device_train_batch_size", "16", "--report_to", "none"]
     script += ["--save_strategy", "no", "--logging_steps", "100", "--use_cpu"]
     base = {
@@ -89,10 +91,10 @@ def hand_picked(name: str, base: dict, hf: bool) -> dict:
     return config
 
 
-def measure(prefix, script, config, directory: Path, arg_mappings=None) -> dict | None:
-    """One trial (the tuner's own machinery) of `config`; its record or None."""
+def measure(prefix, script, config, directory: Path, arg_mappings=None, window=WINDOW):
+    """One trial (the tuner's own machinery) of `config` over `window`; its record or None."""
     directory.mkdir(parents=True, exist_ok=True)
-    config = dict(config, autotuning=dict(config.get("autotuning") or {}, **WINDOW))
+    config = dict(config, autotuning=dict(config.get("autotuning") or {}, **window))
     path = directory / "config.json"
     path.write_text(json.dumps(config))
     args = [str(path) if word == "CONFIG" else word for word in script]
@@ -163,7 +165,10 @@ def main() -> None:
     parser.add_argument("--budget", default="0.75G", help="autotuning.max_memory_per_rank")
     parser.add_argument("--max_micro_batch", type=int, default=256)
     parser.add_argument("--sizes", type=int, default=4, help="num_tuning_micro_batch_sizes")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--compare_steps", type=int, default=100, help="steps each comparison times"
+    )
     parser.add_argument("--skip_tune", action="store_true", help="reuse --out's tune results")
     parser.add_argument("--skip_dropped", action="store_true", help="do not run dropped ones")
     parser.add_argument("--hand_picked", default=",".join(HAND_PICKED), help="configs/NAME list")
@@ -197,18 +202,22 @@ def main() -> None:
         n: hand_picked(n, base, hf) for n in args.hand_picked.split(",")
     }
     results = {name: [] for name in contestants}
+    window = {"start_profile_step": 3, "end_profile_step": 3 + args.compare_steps}
     for repeat in range(args.repeats):
         for name, config in contestants.items():
             directory = out / "compare" / f"{name}.{repeat}"
-            record = measure(prefix, script, config, directory, mappings if hf else None)
+            record = measure(prefix, script, config, directory, mappings if hf else None, window)
             results[name].append(record["samples_per_s"] if record else float("nan"))
             print(f"{name} run {repeat + 1}: {results[name][-1]:.2f} samples/s, load {_load()}")
+    tuned = statistics.median(results["tuned"])
     for name, values in results.items():
         config = contestants[name]
         stage = config.get("zero_optimization", {}).get("stage")
+        median = statistics.median(values)
         print(
             f"{name:<14} stage {stage} micro-batch {config.get('train_micro_batch_size_per_gpu')}"
-            f": median {statistics.median(values):.2f} samples/s over {values}"
+            f": median {median:.2f} samples/s ({median / tuned:.3f} of tuned) over "
+            + ", ".join(f"{v:.2f}" for v in values)
         )
 
 

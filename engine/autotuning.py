@@ -10,14 +10,21 @@ transformer's shape where the model's config names it (num_layers, hidden_size, 
 vocab_size) and seq_len (the second dimension of the first 2-D tensor the first training
 forward got).
 
+step_seconds is the median of the window's optimizer steps, each timed on its own: one step
+slowed by another process on a shared machine does not move it, as it moves a mean. A script
+that ends before end_profile_step still reports the steps it measured, when the process exits,
+with "complete": false (the tuner counts such a record only from a trial that exited with 0).
+
 peak_bytes is torch.cuda.max_memory_allocated on CUDA, the process's peak resident set on CPU.
 tflops counts 6 Psi FLOPs per token for the whole job, as the step log does (monitor.py [Note:
 throughput]), with the monitor's tokens_per_sample, else the seq_len seen.
 """
 
+import atexit
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -68,13 +75,14 @@ class TrialProbe:
         self.path = path
         self.shape = model_shape(engine.module)
         self.seq_len = None
-        self.window_start = None
+        self.step_seconds = []  # each measured optimizer step's duration
+        self._last = None  # when the previous measured step ended
         self._hook = engine.module.register_forward_pre_hook(
             lambda module, args, kwargs: self._on_forward(engine, args, kwargs), with_kwargs=True
         )
-        tuning = engine.config.autotuning
-        if tuning is not None and tuning.start_profile_step == 0:
-            self.window_start = time.perf_counter()  # the window starts with the first step
+        if self._window(engine)[0] == 0:
+            self._last = time.perf_counter()  # the window starts with the first step
+        atexit.register(self._report_partial, engine)
 
     @classmethod
     def attach_from_environment(cls, engine) -> "TrialProbe | None":
@@ -88,45 +96,63 @@ class TrialProbe:
         self.seq_len = _seq_len(args, kwargs)
         self._hook.remove()
 
-    def on_step(self, engine) -> None:
-        """Called by engine.step() after each optimizer step."""
+    @staticmethod
+    def _window(engine) -> tuple[int, int]:
         tuning = engine.config.autotuning
-        start, end = (
-            (3, 5) if tuning is None else (tuning.start_profile_step, tuning.end_profile_step)
-        )
-        if engine.global_steps == start:
-            self._synchronize(engine.device)
-            self.window_start = time.perf_counter()
-        if engine.global_steps < end or self.window_start is None:
+        return (3, 5) if tuning is None else (tuning.start_profile_step, tuning.end_profile_step)
+
+    def on_step(self, engine) -> None:
+        """Called by engine.step() after each optimizer step: from start_profile_step on, times
+        each step; after end_profile_step - start_profile_step of them, reports and exits."""
+        start, end = self._window(engine)
+        if engine.global_steps < start or self.path is None:
             return
         self._synchronize(engine.device)
-        step_seconds = (time.perf_counter() - self.window_start) / (end - start)
-        samples_per_s = engine.config.train_batch_size / step_seconds
-        tokens = engine.monitor.tokens_per_sample or self.seq_len or 0
-        self._finish(
-            engine,
-            step_seconds=step_seconds,
-            samples_per_s=samples_per_s,
-            tflops=6 * engine.monitor.psi * tokens * samples_per_s / 1e12 if tokens else None,
-            peak_bytes=peak_bytes(engine.device),
-            steps=[start, end],
-            num_params=engine.optimizer.layout.numel,
-            seq_len=self.seq_len,
-            **self.shape,
-        )
+        now = time.perf_counter()
+        if self._last is not None:
+            self.step_seconds.append(now - self._last)
+        self._last = now
+        if len(self.step_seconds) >= end - start:
+            self._write(engine, complete=True)
+            self._exit(engine)
+
+    def _report_partial(self, engine) -> None:
+        # At exit of a script that ended inside the window: the steps it did measure.
+        if self.step_seconds and self.path is not None:
+            self._write(engine, complete=False)
 
     @staticmethod
     def _synchronize(device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _finish(self, engine, **record) -> None:
-        """Write this rank's record, end the process group on every rank (a collective: all
-        ranks reach the same step) and exit with code 0."""
-        record.update(rank=engine.comm.rank, world_size=engine.comm.world_size)
-        record["device"] = engine.device.type
+    def _write(self, engine, complete: bool) -> None:
+        """This rank's record (the module docstring) at PATH.rank<R>.json."""
+        step_seconds = statistics.median(self.step_seconds)
+        samples_per_s = engine.config.train_batch_size / step_seconds
+        tokens = engine.monitor.tokens_per_sample or self.seq_len or 0
+        record = dict(
+            step_seconds=step_seconds,
+            samples_per_s=samples_per_s,
+            tflops=6 * engine.monitor.psi * tokens * samples_per_s / 1e12 if tokens else None,
+            peak_bytes=peak_bytes(engine.device),
+            steps=[engine.global_steps - len(self.step_seconds), engine.global_steps],
+            complete=complete,
+            num_params=engine.optimizer.layout.numel,
+            seq_len=self.seq_len,
+            rank=engine.comm.rank,
+            world_size=engine.comm.world_size,
+            device=engine.device.type,
+            **self.shape,
+        )
         with open(f"{self.path}.rank{engine.comm.rank}.json", "w") as handle:
             json.dump(record, handle)
+        self.path = None  # written once
+
+    @staticmethod
+    def _exit(engine) -> None:
+        """End the process group on every rank (a collective: all ranks reach the same step)
+        and exit with code 0."""
         sys.stdout.flush()
         from .comm.deepspeed import destroy_process_group, is_initialized
 

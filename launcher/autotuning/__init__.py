@@ -10,13 +10,15 @@ fastest here, by predicting before running (docs/tuning.md).
 3. search.py orders the rest (autotuning.tuner_type). A failed trial is recorded and the search
    goes on.
 4. The num_finalists best are measured again, in finalist_rounds interleaved rounds with a
-   longer window; the best median wins (one short window on a shared machine misleads).
+   longer window (FINALIST_SECONDS of steps); the best median wins (one short window on a
+   shared machine misleads).
 5. report.py writes the table, the best config and the plot; `run` then starts the real job with
    the best config.
 """
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import statistics
@@ -35,7 +37,11 @@ from .space import Candidate, candidate_config, candidates
 __all__ = ["autotune"]
 
 PROBE_TRIES = 3  # candidates tried, smallest first, before a tune gives up for want of facts
-FINALIST_WINDOW = 2  # a finalist round measures this many times the search's window
+# A finalist round measures at least twice the search's window and at least FINALIST_SECONDS
+# of steps (at the search's step time): long enough that the median step of a round moves by
+# less than the few percent that separate close candidates on a shared machine.
+FINALIST_WINDOW = 2
+FINALIST_SECONDS = 5.0
 
 
 def _say(text: str) -> None:
@@ -84,15 +90,16 @@ class Tuning:
         )
         return [*self.launcher_argv, self.args.script, *script_args]
 
-    def run_trial(self, candidate: Candidate, finalist_round: int | None = None) -> trials.Outcome:
+    def run_trial(
+        self, candidate: Candidate, finalist_round: int | None = None, steps: int | None = None
+    ) -> trials.Outcome:
         """One trial of `candidate`; a `finalist_round` (1, 2, ...) gets its own directory
-        under the candidate's and FINALIST_WINDOW times the measured window."""
+        under the candidate's and a window of `steps` optimizer steps."""
         directory = os.path.join(self.tuning.exps_dir, candidate.name)
         config = candidate_config(self.raw, candidate)
         if finalist_round is not None:
             directory = os.path.join(directory, f"round{finalist_round}")
-            start, end = self.tuning.start_profile_step, self.tuning.end_profile_step
-            window = {"end_profile_step": start + FINALIST_WINDOW * (end - start)}
+            window = {"end_profile_step": self.tuning.start_profile_step + steps}
             config["autotuning"] = {**(config.get("autotuning") or {}), **window}
         os.makedirs(directory, exist_ok=True)
         config_path = os.path.join(directory, "config.json")
@@ -230,9 +237,9 @@ def finalists(tune: Tuning, rows: list[Row], best: Row) -> Row:
     """Measure the num_finalists best measured rows again in finalist_rounds rounds (one trial
     of each per round, the order rotated each round, so a change of load on a shared machine
     hits each alike) and return the one with the best median metric over the rounds; a failed
-    round counts as 0. Returns `best` when fewer than two rows were measured or
-    num_finalists < 2, and when no finalist round reported (the script may end before the
-    longer window does)."""
+    round counts as 0. A round's window is finalist_window(...) steps. Returns `best` when
+    fewer than two rows were measured or num_finalists < 2, and when no finalist round
+    reported."""
     metric, count = tune.tuning.metric, tune.tuning.num_finalists
     measured = [row for row in rows if row.metric(metric) is not None]
     chosen = sorted(measured, key=lambda row: row.metric(metric), reverse=True)[:count]
@@ -242,10 +249,7 @@ def finalists(tune: Tuning, rows: list[Row], best: Row) -> Row:
     medians = {row.candidate: statistics.median(row.round_metrics(metric)) for row in chosen}
     winner = max(chosen, key=lambda row: medians[row.candidate])
     if medians[winner.candidate] <= 0:
-        _say(
-            f"no finalist round reported (does the script run {FINALIST_WINDOW} times the "
-            "window?); the search's best stands"
-        )
+        _say("no finalist round reported; the search's best stands")
         return best
     best.status, winner.status = "ok", "best"
     _say(
@@ -255,22 +259,35 @@ def finalists(tune: Tuning, rows: list[Row], best: Row) -> Row:
     return winner
 
 
+def finalist_window(tuning, step_seconds: float) -> int:
+    """Optimizer steps a finalist round measures: FINALIST_WINDOW times the search's window, or
+    more, to cover FINALIST_SECONDS at the search's `step_seconds`. A script that ends first
+    reports the steps it ran (zero.autotuning)."""
+    searched = tuning.end_profile_step - tuning.start_profile_step
+    return max(FINALIST_WINDOW * searched, math.ceil(FINALIST_SECONDS / step_seconds))
+
+
 def _rounds(tune: Tuning, chosen: list[Row]) -> None:
     total = tune.tuning.finalist_rounds
-    names = ", ".join(row.candidate.name for row in chosen)
+    steps = {
+        row.candidate: finalist_window(tune.tuning, row.record["step_seconds"]) for row in chosen
+    }
+    names = ", ".join(f"{row.candidate.name} ({steps[row.candidate]} steps)" for row in chosen)
     _say(f"measuring the {len(chosen)} best again in {total} interleaved rounds: {names}")
     for number in range(1, total + 1):
         shift = (number - 1) % len(chosen)
         for row in chosen[shift:] + chosen[:shift]:
-            outcome = tune.run_trial(row.candidate, finalist_round=number)
-            row.rounds.append(outcome.record)
-            shown = Row(row.candidate, "ok", row.predicted_peak, outcome.record, outcome.last_line)
+            outcome = tune.run_trial(row.candidate, number, steps[row.candidate])
+            row.rounds.append(outcome.measured)
+            shown = Row(
+                row.candidate, "ok", row.predicted_peak, outcome.measured, outcome.last_line
+            )
             _say(f"[finalists, round {number}/{total}] {_progress(shown, outcome)}")
 
 
 def _record(row: Row, outcome: trials.Outcome) -> None:
-    if outcome.record is not None and outcome.record.get("samples_per_s") is not None:
-        row.status, row.record = "ok", outcome.record
+    if outcome.measured is not None:
+        row.status, row.record = "ok", outcome.measured
         return
     row.status = "failed"
     how = "timed out" if outcome.code is None else f"exit code {outcome.code}"

@@ -31,6 +31,14 @@ class Outcome:
     last_line: str
     seconds: float = 0.0
 
+    @property
+    def measured(self) -> dict | None:
+        """The record when it counts: a whole window, or the steps a script that ended first
+        measured ("complete": false) when the job then exited with 0 (not a crash mid-window)."""
+        if self.record is None or self.record.get("samples_per_s") is None:
+            return None
+        return self.record if self.record.get("complete", True) or self.code == 0 else None
+
 
 def config_flag(script_args: list[str]) -> tuple[int, str]:
     """(index of the value, flag) of the config path in the script's arguments.

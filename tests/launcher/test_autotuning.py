@@ -211,7 +211,8 @@ def test_overwrite_false_reuses_an_earlier_result(tmp_path):
 def _record(samples_per_s):
     if samples_per_s is None:
         return None
-    return {"samples_per_s": samples_per_s, "step_seconds": 1 / samples_per_s, "peak_bytes": 1}
+    # a global batch of 100 samples
+    return {"samples_per_s": samples_per_s, "step_seconds": 100 / samples_per_s, "peak_bytes": 1}
 
 
 def test_finalists_are_measured_again_and_the_best_median_wins():
@@ -233,7 +234,9 @@ def test_finalists_are_measured_again_and_the_best_median_wins():
     rows[0].status = "best"
     calls = []
 
-    def run_trial(candidate, finalist_round=None):
+    def run_trial(candidate, finalist_round, steps):
+        # 5 s at the search's step time (0.2, 0.33 and 0.4 s), more than twice its 2 steps
+        assert steps == {"lucky": 25, "steady": 15, "flaky": 13}[by_name[candidate]]
         calls.append((by_name[candidate], finalist_round))
         figure = scripted[by_name[candidate]][finalist_round - 1]
         return autotuning.trials.Outcome(0, _record(figure), "")
@@ -281,12 +284,94 @@ def test_a_finalist_round_measures_a_longer_window_in_its_own_directory(tmp_path
     seen = []
     monkeypatch.setattr(autotuning.trials, "run", lambda argv, *rest: seen.append(argv))
     candidate = Candidate(1, "none", 4, 1)
-    tune.run_trial(candidate, finalist_round=2)
+    tune.run_trial(candidate, finalist_round=2, steps=6)
     path = tmp_path / "z1_none_mbs4" / "round2" / "config.json"
     config = json.loads(path.read_text())
-    # twice the window of steps 2-5: steps 2-8
-    assert config["autotuning"] == {"timeout": 60, "end_profile_step": 8}
+    assert config["autotuning"] == {"timeout": 60, "end_profile_step": 8}  # steps 2-8
     assert seen == [["train.py", "--config", str(path)]]
     tune.run_trial(candidate)  # a search trial: the config's own window
     search_config = json.loads((tmp_path / "z1_none_mbs4" / "config.json").read_text())
     assert search_config["autotuning"] == {"timeout": 60}
+
+
+def test_a_finalist_window_is_twice_the_search_window_or_five_seconds():
+    from zero.launcher.autotuning import FINALIST_SECONDS, finalist_window
+
+    assert FINALIST_SECONDS == 5.0
+    window = tuning(start_profile_step=2, end_profile_step=5)
+    assert finalist_window(window, step_seconds=10.0) == 6  # slow steps: twice the 3 steps
+    assert finalist_window(window, step_seconds=0.25) == 20  # fast ones: 5 s of them
+    assert finalist_window(window, step_seconds=0.3) == 17
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _fake_engine(start, end):
+    from types import SimpleNamespace
+
+    import torch
+
+    return SimpleNamespace(
+        module=torch.nn.Linear(2, 2),
+        config=SimpleNamespace(
+            autotuning=tuning(start_profile_step=start, end_profile_step=end), train_batch_size=8
+        ),
+        global_steps=0,
+        device=torch.device("cpu"),
+        monitor=SimpleNamespace(tokens_per_sample=16, psi=100),
+        optimizer=SimpleNamespace(layout=SimpleNamespace(numel=100)),
+        comm=SimpleNamespace(rank=0, world_size=1),
+    )
+
+
+def test_a_trial_times_each_step_and_reports_the_median(tmp_path, monkeypatch):
+    from zero import autotuning
+
+    clock = _Clock()
+    monkeypatch.setattr(autotuning.time, "perf_counter", clock)
+    monkeypatch.setattr(autotuning.atexit, "register", lambda *args: None)
+    engine = _fake_engine(start=2, end=6)
+    probe = autotuning.TrialProbe(str(tmp_path / "m"), engine)
+    # steps 1-6 end at these times: steps 3-6 take 0.1, 0.1, 2.0 (another process ran), 0.1 s
+    for step, now in enumerate((1.0, 2.0, 2.1, 2.2, 4.2, 4.3), start=1):
+        engine.global_steps, clock.now = step, now
+        if step < 6:
+            probe.on_step(engine)
+    with pytest.raises(SystemExit) as ended:
+        probe.on_step(engine)
+    assert ended.value.code == 0
+    record = json.loads((tmp_path / "m.rank0.json").read_text())
+    assert record["step_seconds"] == pytest.approx(0.1)  # the mean, 0.575 s, would be moved
+    assert record["samples_per_s"] == pytest.approx(80.0)
+    assert record["steps"] == [2, 6] and record["complete"] is True
+
+
+def test_a_script_that_ends_inside_the_window_reports_what_it_measured(tmp_path, monkeypatch):
+    from zero import autotuning
+    from zero.launcher.autotuning.trials import Outcome, merged_record
+
+    clock = _Clock()
+    monkeypatch.setattr(autotuning.time, "perf_counter", clock)
+    at_exit = []
+    monkeypatch.setattr(autotuning.atexit, "register", lambda *args: at_exit.append(args))
+    engine = _fake_engine(start=1, end=50)
+    probe = autotuning.TrialProbe(str(tmp_path / "m"), engine)
+    for step, now in enumerate((1.0, 1.5, 2.0, 2.5), start=1):
+        engine.global_steps, clock.now = step, now
+        probe.on_step(engine)
+    assert not list(tmp_path.iterdir())  # nothing yet: the window runs to step 50
+    function, *args = at_exit[0]
+    function(*args)  # the interpreter exits
+    record = merged_record(str(tmp_path / "m"))
+    assert record["steps"] == [1, 4] and record["complete"] is False
+    assert record["step_seconds"] == pytest.approx(0.5)
+    # counted when the job exited with 0; a crash inside the window is a failed trial
+    assert Outcome(0, record, "").measured is record
+    assert Outcome(1, record, "").measured is None
+    assert Outcome(1, dict(record, complete=True), "").measured is not None
