@@ -114,7 +114,8 @@ class AutotuningConfig(_Block):
     num_finalists: CountOrZero = Field(
         3,
         description="zero: the best candidates of the search measured again, in "
-        "finalist_rounds interleaved rounds with twice the window, the pick by the median; "
+        "finalist_rounds interleaved rounds with a longer window (twice the search's or 5 s "
+        "of steps), the pick by the median; "
         "0 or 1: the search's best stands.",
     )
     finalist_rounds: Count = Field(

@@ -41,15 +41,17 @@ class Outcome:
 
 
 def config_flag(script_args: list[str]) -> tuple[int, str]:
-    """(index of the value, flag) of the config path in the script's arguments.
+    """(index of the value, flag) of the config path in the script's arguments. A flag followed
+    by another flag holds no path: DeepSpeed's own `--deepspeed` is a switch beside
+    `--deepspeed_config PATH`, while Hugging Face's takes the path.
 
-    Raises ValueError when none of CONFIG_FLAGS is there."""
+    Raises ValueError when none of CONFIG_FLAGS is there with a path."""
     for i, word in enumerate(script_args):
         flag, sep, _ = word.partition("=")
         if flag in CONFIG_FLAGS:
             if sep:
                 return i, flag
-            if i + 1 < len(script_args):
+            if i + 1 < len(script_args) and not script_args[i + 1].startswith("-"):
                 return i + 1, flag
     raise ValueError(
         "zrun --autotuning: the script's arguments name no config file; pass it as --config, "

@@ -375,3 +375,22 @@ def test_a_script_that_ends_inside_the_window_reports_what_it_measured(tmp_path,
     assert Outcome(0, record, "").measured is record
     assert Outcome(1, record, "").measured is None
     assert Outcome(1, dict(record, complete=True), "").measured is not None
+
+
+def test_the_config_path_is_found_beside_deepspeeds_switch():
+    from zero.launcher.autotuning.trials import config_flag, script_args_for
+
+    # DeepSpeed's add_config_arguments: --deepspeed is a switch, the path follows
+    # --deepspeed_config; Hugging Face's --deepspeed takes the path itself.
+    assert config_flag(["--deepspeed", "--deepspeed_config", "ds.json"]) == (
+        2,
+        "--deepspeed_config",
+    )
+    assert config_flag(["--deepspeed", "ds.json", "--steps", "3"]) == (1, "--deepspeed")
+    assert config_flag(["--deepspeed", "--deepspeed_config=ds.json"]) == (1, "--deepspeed_config")
+    args = ["--deepspeed", "--deepspeed_config", "ds.json", "--steps", "3"]
+    assert script_args_for(args, "trial.json", {}, None) == [
+        "--deepspeed", "--deepspeed_config", "trial.json", "--steps", "3"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="name no config file"):
+        config_flag(["--deepspeed", "--steps", "3"])
