@@ -416,6 +416,35 @@ class ExitClock:
             with contextlib.suppress(psutil.Error):
                 if other not in self.exited and process.status() == psutil.STATUS_STOPPED:
                     self.stopped.add(other)
+                    threading.Thread(
+                        target=self._continue_ended, args=(other,), daemon=True
+                    ).start()
+
+    def _continue_ended(self, pid: int) -> None:
+        """[Note: a stopped rank is continued once it is ended] The agent ends the other ranks
+        with SIGTERM, which a stopped process receives only once continued: the agent waited its
+        30 s grace and then SIGKILLed it, in every restart round. Once a SIGTERM is pending for
+        `pid`, send it SIGCONT, as a shell's kill does for a stopped job; it then ends at once.
+        Never before: a rank stopped while the job goes on stays stopped."""
+        while pid not in self.exited:
+            pending = _pending_signals(pid)
+            if pending is None:
+                return  # gone, or no /proc to read
+            if pending & (1 << (signal.SIGTERM - 1)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                return
+            time.sleep(self._POLL_S)
+
+
+def _pending_signals(pid: int) -> int | None:
+    """The signals pending for process `pid` (bit N-1 for signal N; Linux's /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+    except OSError:
+        return None
+    return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
 
 
 def first_failure(error: ChildFailedError, args: argparse.Namespace, clock=None) -> RankFailure:
