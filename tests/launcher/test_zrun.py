@@ -198,30 +198,45 @@ def test_a_stopped_rank_ends_each_round_and_is_named(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
+# An agent's ExitClock watches every child of its process for good, so it runs in a process
+# of its own here, not in pytest's.
+CONTINUED_ONCE_ENDED = """
+import os, signal, subprocess, sys, time
+import psutil
+from zero.launcher.agent import ExitClock
+
+clock = ExitClock(2)
+stop_then_sleep = "import os, signal, time; os.kill(os.getpid(), signal.SIGSTOP); time.sleep(600)"
+frozen = subprocess.Popen([sys.executable, "-c", stop_then_sleep], start_new_session=True)
+while psutil.Process(frozen.pid).status() != psutil.STATUS_STOPPED:
+    time.sleep(0.01)
+peer = subprocess.Popen([sys.executable, "-c", "pass"])  # a rank that exits
+while peer.pid not in clock.exited:
+    time.sleep(0.01)
+peer.wait()
+time.sleep(0.5)
+print("seen stopped:", frozen.pid in clock.stopped)
+print("still stopped:", psutil.Process(frozen.pid).status() == psutil.STATUS_STOPPED)
+os.killpg(frozen.pid, signal.SIGTERM)  # as the elastic agent ends a rank
+try:
+    print("ended by:", frozen.wait(timeout=20))
+except subprocess.TimeoutExpired:
+    print("ended by: nothing in 20 s")
+finally:
+    frozen.kill()
+"""
+
+
 def test_a_stopped_rank_is_continued_only_once_it_is_ended():
     """[Note: a stopped rank is continued once it is ended] in launcher/agent.py: a SIGTERM
     pending for a stopped rank is delivered (SIGCONT), not waited out for the agent's 30 s
     grace and SIGKILL; before the SIGTERM, the stopped rank is left stopped."""
-    import psutil
-
-    from zero.launcher.agent import ExitClock
-
-    clock = ExitClock(2)
-    stop_then_sleep = (
-        "import os, signal, time; os.kill(os.getpid(), signal.SIGSTOP); time.sleep(600)"
+    done = subprocess.run(
+        [sys.executable, "-c", CONTINUED_ONCE_ENDED], capture_output=True, text=True, timeout=120
     )
-    frozen = subprocess.Popen([sys.executable, "-c", stop_then_sleep], start_new_session=True)
-    while psutil.Process(frozen.pid).status() != psutil.STATUS_STOPPED:
-        time.sleep(0.01)
-    peer = subprocess.Popen([sys.executable, "-c", "pass"])  # a rank that exits
-    while peer.pid not in clock.exited:
-        time.sleep(0.01)
-    peer.wait()
-    assert frozen.pid in clock.stopped
-    time.sleep(0.5)
-    assert psutil.Process(frozen.pid).status() == psutil.STATUS_STOPPED  # nothing pending yet
-    os.killpg(frozen.pid, signal.SIGTERM)  # as the elastic agent ends a rank
-    try:
-        assert frozen.wait(timeout=20) == -signal.SIGTERM
-    finally:
-        frozen.kill()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "seen stopped: True",
+        "still stopped: True",  # nothing pending yet: left as it is
+        f"ended by: {-signal.SIGTERM}",
+    ], done.stdout + done.stderr
