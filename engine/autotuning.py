@@ -117,9 +117,14 @@ class TrialProbe:
             self._exit(engine)
 
     def _report_partial(self, engine) -> None:
-        # At exit of a script that ended inside the window: the steps it did measure.
-        if self.step_seconds and self.path is not None:
+        # At exit of a script that ended inside the window: the steps it did measure. In a
+        # process with several engines (DeepSpeed-Chat's actor and critic) the first to finish
+        # its window reports; another's partial window is not written over it.
+        if self.step_seconds and self.path is not None and not os.path.exists(self._file(engine)):
             self._write(engine, complete=False)
+
+    def _file(self, engine) -> str:
+        return f"{self.path}.rank{engine.comm.rank}.json"
 
     @staticmethod
     def _synchronize(device: torch.device) -> None:
@@ -145,7 +150,7 @@ class TrialProbe:
             device=engine.device.type,
             **self.shape,
         )
-        with open(f"{self.path}.rank{engine.comm.rank}.json", "w") as handle:
+        with open(self._file(engine), "w") as handle:
             json.dump(record, handle)
         self.path = None  # written once
 

@@ -124,6 +124,17 @@ class AutotuningConfig(_Block):
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "AutotuningConfig":
+        for key, flag in (self.arg_mappings or {}).items():
+            if not isinstance(flag, str) or not flag.startswith("-"):
+                raise _cross(
+                    f"autotuning.arg_mappings[{key!r}] is {flag!r}; give the script's flag that "
+                    'takes the value, e.g. "--per_device_train_batch_size".'
+                )
+        if self.max_memory_per_rank is not None and self.max_memory_per_rank <= 0:
+            raise _cross(
+                f"autotuning.max_memory_per_rank {self.max_memory_per_rank} bytes: give the "
+                "memory a rank may use, e.g. '16G'."
+            )
         if self.end_profile_step <= self.start_profile_step:
             raise _cross(
                 f"autotuning.end_profile_step {self.end_profile_step} must exceed "

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--min_elastic_nodes", type=int, default=-1, help="refused (elastic training)")
     add("--max_elastic_nodes", type=int, default=-1, help="refused (elastic training)")
     add("--num_gpus", "--num_accelerators", type=int, default=-1, help="ranks per node")
-    add("--master_port", type=int, default=29500, help="rendezvous TCP port")
+    add("--master_port", type=int, default=None, help="rendezvous TCP port (default 29500)")
     add("--master_addr", default="", help="rendezvous host (default: node 0)")
     add("--node_rank", type=int, default=-1, help="with --no_ssh: this node's rank")
     add("--launcher", default="pdsh", help="multi-node runner: pdsh (default), openmpi, slurm")
@@ -108,7 +108,9 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
 
 def _common_flags(args: argparse.Namespace) -> list[str]:
     # Every flag whose meaning does not depend on the number of nodes.
-    flags = ["--master_port", str(args.master_port)]
+    # Passed only when given: zrun's default is DeepSpeed's 29500, and `--autotuning` gives each
+    # trial a free port when no port was named.
+    flags = [] if args.master_port is None else ["--master_port", str(args.master_port)]
     for flag, value in (
         ("--hostfile", args.hostfile),
         ("--include", args.include),

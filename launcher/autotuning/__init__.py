@@ -104,26 +104,24 @@ class Tuning:
         os.makedirs(directory, exist_ok=True)
         config_path = os.path.join(directory, "config.json")
         prefix = os.path.join(directory, "metrics")
-        if not self.tuning.overwrite:
-            earlier = _earlier(config_path, config, prefix)
+        argv = self.argv_for(config_path, config)
+        log = os.path.join(directory, "log.txt")
+        if not self.tuning.overwrite and _same_config(config_path, config):
+            earlier = trials.earlier(argv, prefix, log)
             if earlier is not None:
                 return earlier
         with open(config_path, "w") as handle:
             json.dump(config, handle, indent=2)
-        argv = self.argv_for(config_path, config)
-        log = os.path.join(directory, "log.txt")
         return trials.run(argv, prefix, log, self.tuning.timeout)
 
 
-def _earlier(config_path: str, config: dict, prefix: str) -> trials.Outcome | None:
-    # autotuning.overwrite false: an earlier tune's result for the same config stands.
+def _same_config(config_path: str, config: dict) -> bool:
+    # autotuning.overwrite false: an earlier tune's result for the same config and command
+    # stands (trials.earlier).
     if not os.path.isfile(config_path):
-        return None
+        return False
     with open(config_path) as handle:
-        if json.load(handle) != config:
-            return None
-    record = trials.merged_record(prefix)
-    return None if record is None else trials.Outcome(0, record, "reused", 0.0)
+        return json.load(handle) == config
 
 
 def _without_autotuning(argv: list[str]) -> list[str]:
@@ -291,6 +289,8 @@ def _record(row: Row, outcome: trials.Outcome) -> None:
         return
     row.status = "failed"
     how = "timed out" if outcome.code is None else f"exit code {outcome.code}"
+    if outcome.code == 0:
+        how += ", no step measured: the script ended by start_profile_step + 1"
     row.why = f"{how}: {outcome.last_line}" if outcome.last_line else how
 
 
@@ -300,9 +300,11 @@ def _progress(row: Row, outcome: trials.Outcome) -> str:
         return f"{name}: failed ({row.why}) in {outcome.seconds:.1f} s"
     r = row.record
     predicted = "" if row.predicted_peak is None else f" (predicted {row.predicted_peak / GIB:.3f})"
+    steps = r.get("steps") or [0, 0]
+    partial = "" if r.get("complete", True) else f" (the script ended: {steps[1] - steps[0]} steps)"
     return (
-        f"{name}: {r['samples_per_s']:.2f} samples/s, {r['step_seconds'] * 1e3:.1f} ms/step, "
-        f"peak {r['peak_bytes'] / GIB:.3f} GiB{predicted}, {outcome.seconds:.1f} s"
+        f"{name}: {r['samples_per_s']:.2f} samples/s, {r['step_seconds'] * 1e3:.1f} ms/step"
+        f"{partial}, peak {r['peak_bytes'] / GIB:.3f} GiB{predicted}, {outcome.seconds:.1f} s"
     )
 
 
@@ -331,12 +333,19 @@ def autotune(args, argv: list[str]) -> int:
         _say(f"error: {error}")
         return 1
     rows = planned_rows(tune, space, facts, tried)
-    dropped = sum(row.status == "dropped" for row in rows)
-    _say(f"the planner drops {dropped} of {len(rows) - len(tried)} other candidates as too large")
+    dropped = sum(row.why.startswith("planner") for row in rows)
+    refused = sum(row.why.startswith("config refused") for row in rows)
+    others = len(rows) - len(tried)
+    _say(
+        f"the planner drops {dropped} of {others} other candidates as too large"
+        + (f"; {refused} configs refused (see results.txt)" if refused else "")
+    )
     best = finalists(tune, rows, search(tune, rows, tried))
     best_config = candidate_config(tune.raw, best.candidate)
     optimal = os.path.join(tune.tuning.results_dir, "ds_config_optimal.json")
-    command = ["zrun", *tune.argv_for(optimal, best_config)]
+    # Under the doorway (zero-as-deepspeed sets ZERO_AS_DEEPSPEED) the script imports deepspeed.
+    doorway = ["zero-as-deepspeed"] if os.environ.get("ZERO_AS_DEEPSPEED") == "1" else []
+    command = [*doorway, "zrun", *tune.argv_for(optimal, best_config)]
     plot = write_results(tune.tuning.results_dir, rows, best, best_config, command)
     print(table(rows), flush=True)
     _say(f"tuning took {time.perf_counter() - start:.1f} s; results in {tune.tuning.results_dir}")

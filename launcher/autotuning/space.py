@@ -20,6 +20,7 @@ import math
 from zero.config import AutotuningConfig
 
 STAGES = (0, 1, 2, 3)
+DEVICES = ("none", "cpu", "nvme")  # offload_optimizer.device
 DEEPSPEED_BUCKETS = (50_000_000, 500_000_000, 1_000_000_000)  # DEFAULT_TUNING_SPACE_ZERO_1..3
 
 
@@ -41,13 +42,25 @@ class Candidate:
         return name + (f"_b{self.bucket:.0e}".replace("+", "") if self.bucket else "")
 
 
-def _as_list(value, default: list, what: str) -> list:
-    if value is None or value == "all":
+def _as_list(value, default: list, what: str, allowed=None) -> list:
+    """The values of a tuned key: `default` when absent, "all" or "auto" (a Trainer fills
+    "auto" itself); else the value or list given, each a positive integer or, with `allowed`,
+    one of those. Raises ValueError naming the key and the value."""
+    if value is None or value in ("all", "auto"):
         return list(default)
     values = value if isinstance(value, list) else [value]
     if not values:
         raise ValueError(f"{what} is an empty list; give at least one value or remove it")
-    return values
+    for item in values:
+        if allowed is not None:
+            ok = item in allowed
+        else:
+            number = item if isinstance(item, int | float) and not isinstance(item, bool) else 0
+            ok = number >= 1 and number == int(number)
+        if not ok:
+            want = f"one of {list(allowed)}" if allowed is not None else "a positive integer"
+            raise ValueError(f"{what}: {item!r} cannot be tried; give {want}")
+    return [item if allowed is not None else int(item) for item in values]
 
 
 def micro_batch_sizes(tuning: AutotuningConfig, data_parallel: int, gas: int) -> list[int]:
@@ -78,9 +91,9 @@ def candidates(raw: dict, tuning: AutotuningConfig, data_parallel: int) -> list[
     """Every candidate of `raw` (the user's config mapping), in grid order: stage, offload,
     micro-batch, bucket. Raises ValueError for a tuned key whose value cannot be tried."""
     zero = raw.get("zero_optimization") or {}
-    stages = _as_list(zero.get("stage"), STAGES, "zero_optimization.stage")
+    stages = _as_list(zero.get("stage"), STAGES, "zero_optimization.stage", allowed=STAGES)
     offload = zero.get("offload_optimizer") or {}
-    devices = _as_list(offload.get("device"), ["none", "cpu"], "offload_optimizer.device")
+    devices = _as_list(offload.get("device"), ["none", "cpu"], "offload_optimizer.device", DEVICES)
     buckets = _as_list(
         zero.get("reduce_bucket_size"),
         [None] if tuning.fast else DEEPSPEED_BUCKETS,
@@ -90,12 +103,9 @@ def candidates(raw: dict, tuning: AutotuningConfig, data_parallel: int) -> list[
     gas = gas if isinstance(gas, int) and not isinstance(gas, bool) else 1
     given = raw.get("train_micro_batch_size_per_gpu")
     if isinstance(given, list):
-        sizes = given
+        sizes = _as_list(given, [], "train_micro_batch_size_per_gpu")
     else:
         sizes = micro_batch_sizes(tuning, data_parallel, gas)
-    for stage in stages:
-        if stage not in STAGES:
-            raise ValueError(f"zero_optimization.stage {stage!r}: tune over stages 0, 1, 2, 3")
     return [
         Candidate(int(stage), str(device), int(size), gas, None if b is None else int(b))
         for stage in stages

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 
-CONFIG_FLAGS = ("--config", "--deepspeed_config", "--deepspeed")
+# In this order: a script with a model --config beside --deepspeed_config tunes the latter.
+CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed", "--config")
 METRICS_ENV = "ZERO_AUTOTUNING_METRICS"  # zero.autotuning.ENV_METRICS
 
 
@@ -41,14 +42,17 @@ class Outcome:
 
 
 def config_flag(script_args: list[str]) -> tuple[int, str]:
-    """(index of the value, flag) of the config path in the script's arguments. A flag followed
-    by another flag holds no path: DeepSpeed's own `--deepspeed` is a switch beside
-    `--deepspeed_config PATH`, while Hugging Face's takes the path.
+    """(index of the value, flag) of the config path in the script's arguments, the first of
+    CONFIG_FLAGS present. A flag followed by another flag holds no path: DeepSpeed's own
+    `--deepspeed` is a switch beside `--deepspeed_config PATH`, while Hugging Face's takes the
+    path.
 
     Raises ValueError when none of CONFIG_FLAGS is there with a path."""
-    for i, word in enumerate(script_args):
-        flag, sep, _ = word.partition("=")
-        if flag in CONFIG_FLAGS:
+    for wanted in CONFIG_FLAGS:
+        for i, word in enumerate(script_args):
+            flag, sep, _ = word.partition("=")
+            if flag != wanted:
+                continue
             if sep:
                 return i, flag
             if i + 1 < len(script_args) and not script_args[i + 1].startswith("-"):
@@ -114,19 +118,34 @@ def _end(child: subprocess.Popen) -> None:
         child.wait()
 
 
+def command_for(zrun_argv: list[str], prefix: str) -> list[str]:
+    """The trial's command line: zrun with METRICS_ENV=`prefix` on every rank (the first line
+    of its log)."""
+    return [sys.executable, "-m", "zero.launcher", "--env", f"{METRICS_ENV}={prefix}", *zrun_argv]
+
+
+def earlier(zrun_argv: list[str], prefix: str, log_path: str) -> Outcome | None:
+    """The outcome an earlier trial left for the same command (autotuning.overwrite false): its
+    record, when complete; None when the command differed (other ranks, script arguments or
+    config path) or nothing complete was recorded."""
+    try:
+        with open(log_path) as handle:
+            if handle.readline().rstrip("\n") != " ".join(command_for(zrun_argv, prefix)):
+                return None
+    except OSError:
+        return None
+    record = merged_record(prefix)
+    if record is None or not record.get("complete", True):
+        return None  # a partial window may come from a crash: its exit code was not kept
+    return Outcome(0, record, "reused", 0.0)
+
+
 def run(zrun_argv: list[str], prefix: str, log_path: str, timeout: float) -> Outcome:
     """Run `zrun zrun_argv` with METRICS_ENV=`prefix` on every rank, its output into log_path;
     on timeout end it as a user's Ctrl-C would (SIGTERM: zrun ends its ranks) and wait."""
     for stale in glob.glob(glob.escape(prefix) + ".rank*.json"):
         os.remove(stale)
-    command = [
-        sys.executable,
-        "-m",
-        "zero.launcher",
-        "--env",
-        f"{METRICS_ENV}={prefix}",
-        *zrun_argv,
-    ]
+    command = command_for(zrun_argv, prefix)
     start = time.perf_counter()
     with open(log_path, "w") as log:
         log.write(" ".join(command) + "\n")

@@ -58,11 +58,32 @@ def test_candidates_follow_the_config_lists_and_deepspeed_defaults():
     config = candidate_config({"train_batch_size": 32, **raw}, grid[0])
     assert "train_batch_size" not in config  # derived from micro-batch x ranks x accumulation
     assert config["zero_optimization"]["reduce_bucket_size"] == 50_000_000
-    with pytest.raises(ValueError, match="stage 7"):
+    with pytest.raises(ValueError, match="stage: 7 cannot be tried"):
         candidates({"zero_optimization": {"stage": [2, 7]}}, tuning(), 1)
+    # a Trainer's "auto" bucket is the config's own; bad values are named before any trial
+    auto = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    assert {c.bucket for c in candidates(auto, tuning(), 1)} == {None}
+    for bad, named in (
+        ({"train_micro_batch_size_per_gpu": []}, "train_micro_batch_size_per_gpu is an empty"),
+        ({"train_micro_batch_size_per_gpu": [0, 2]}, "train_micro_batch_size_per_gpu: 0 cannot"),
+        ({"train_micro_batch_size_per_gpu": [2.5]}, "train_micro_batch_size_per_gpu: 2.5 cannot"),
+        ({"train_micro_batch_size_per_gpu": [True]}, "train_micro_batch_size_per_gpu: True"),
+        ({"zero_optimization": {"reduce_bucket_size": "abc"}}, "reduce_bucket_size: 'abc'"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "device: 'gpu'"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            candidates(bad, tuning(), 1)
+    assert [
+        c.micro_batch for c in candidates({"train_micro_batch_size_per_gpu": [4.0]}, tuning(), 1)
+    ][:1] == [4]
 
 
 def test_autotuning_block_is_checked():
+    with pytest.raises(ConfigError, match="arg_mappings"):
+        tuning(arg_mappings={"train_micro_batch_size_per_gpu": 5})
+    for budget in (-5, "0"):
+        with pytest.raises(ConfigError, match="max_memory_per_rank"):
+            tuning(max_memory_per_rank=budget)
     with pytest.raises(ConfigError, match="end_profile_step 3 must exceed"):
         tuning(start_profile_step=3, end_profile_step=3)
     with pytest.raises(ConfigError, match="Did you mean 'tuner_type'"):
@@ -195,17 +216,29 @@ def test_a_trial_past_its_timeout_is_ended_and_recorded(tmp_path):
 
 
 def test_overwrite_false_reuses_an_earlier_result(tmp_path):
-    from zero.launcher.autotuning import _earlier
+    from zero.launcher.autotuning import _same_config
+    from zero.launcher.autotuning.trials import command_for, earlier
 
     config = {"train_micro_batch_size_per_gpu": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    prefix = tmp_path / "metrics"
-    assert _earlier(str(tmp_path / "config.json"), config, str(prefix)) is None  # no record yet
+    assert _same_config(str(tmp_path / "config.json"), config)
+    assert not _same_config(str(tmp_path / "config.json"), {"other": 1})
+    prefix, log = str(tmp_path / "metrics"), str(tmp_path / "log.txt")
+    argv = ["--num_gpus", "2", "train.py", "--config", "config.json"]
+    assert earlier(argv, prefix, log) is None  # no trial yet
+    (tmp_path / "log.txt").write_text(" ".join(command_for(argv, prefix)) + "\nstep 1\n")
+    assert earlier(argv, prefix, log) is None  # no record
     (tmp_path / "metrics.rank0.json").write_text(json.dumps({"rank": 0, "peak_bytes": 5}))
     (tmp_path / "metrics.rank1.json").write_text(json.dumps({"rank": 1, "peak_bytes": 7}))
-    outcome = _earlier(str(tmp_path / "config.json"), config, str(prefix))
+    outcome = earlier(argv, prefix, log)
     assert outcome.record == {"rank": 0, "peak_bytes": 7}  # rank 0's, with the largest peak
-    assert _earlier(str(tmp_path / "config.json"), {"other": 1}, str(prefix)) is None
+    # another world size or script argument is another trial
+    assert earlier(["--num_gpus", "1", *argv[2:]], prefix, log) is None
+    assert earlier([*argv, "--steps", "9"], prefix, log) is None
+    # a partial window may be a crash's (its exit code was not kept): run it again
+    partial = {"rank": 0, "peak_bytes": 5, "complete": False}
+    (tmp_path / "metrics.rank0.json").write_text(json.dumps(partial))
+    assert earlier(argv, prefix, log) is None
 
 
 def _record(samples_per_s):
@@ -375,6 +408,12 @@ def test_a_script_that_ends_inside_the_window_reports_what_it_measured(tmp_path,
     assert Outcome(0, record, "").measured is record
     assert Outcome(1, record, "").measured is None
     assert Outcome(1, dict(record, complete=True), "").measured is not None
+    # a second engine in the process (DeepSpeed-Chat's critic beside the actor) does not write
+    # its partial window over the record already there
+    other = autotuning.TrialProbe(str(tmp_path / "m"), _fake_engine(start=1, end=50))
+    other.step_seconds = [9.0]
+    at_exit[-1][0](*at_exit[-1][1:])
+    assert merged_record(str(tmp_path / "m"))["step_seconds"] == pytest.approx(0.5)
 
 
 def test_the_config_path_is_found_beside_deepspeeds_switch():
@@ -388,6 +427,9 @@ def test_the_config_path_is_found_beside_deepspeeds_switch():
     )
     assert config_flag(["--deepspeed", "ds.json", "--steps", "3"]) == (1, "--deepspeed")
     assert config_flag(["--deepspeed", "--deepspeed_config=ds.json"]) == (1, "--deepspeed_config")
+    # a model's own --config beside DeepSpeed's: the DeepSpeed config is tuned
+    found = config_flag(["--config", "model.json", "--deepspeed", "--deepspeed_config", "ds.json"])
+    assert found == (4, "--deepspeed_config")
     args = ["--deepspeed", "--deepspeed_config", "ds.json", "--steps", "3"]
     assert script_args_for(args, "trial.json", {}, None) == [
         "--deepspeed", "--deepspeed_config", "trial.json", "--steps", "3"
