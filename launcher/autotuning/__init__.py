@@ -141,7 +141,7 @@ def probe(tune: Tuning, space: list[Candidate]) -> tuple[list[Row], ModelFacts]:
     micro-batch; with GPU ranks offload first, with CPU ranks, where it saves nothing, last)
     until one reports, at most PROBE_TRIES; returns their rows (the reporting one last) and the
     model facts it reported. Raises RuntimeError naming the logs when none reports (the planner
-    has no Psi to work with)."""
+    has no Psi to work with), and when the one that reports does not fit the budget."""
     cpu = tune.machine.cpu
     order = sorted(space, key=lambda c: (-c.stage, (c.offload == "none") != cpu, c.micro_batch))
     tried = []
@@ -162,10 +162,18 @@ def probe(tune: Tuning, space: list[Candidate]) -> tuple[list[Row], ModelFacts]:
     facts = ModelFacts.from_probe(row.record, tune.tuning)
     # The planner's runtime term, measured once (footprint.py [Note: peak]): what the probe's
     # peak holds beyond the tensors predicted for its own config.
-    predicted = predict(candidate_config(tune.raw, row.candidate), facts, tune.machine).per_device
+    config = candidate_config(tune.raw, row.candidate)
+    predicted = predict(config, facts, tune.machine).per_device
     runtime = max(0, row.record["peak_bytes"] - predicted)
     facts = dataclasses.replace(facts, runtime_bytes=runtime)
     row.predicted_peak = predicted + runtime
+    if not predict(config, facts, tune.machine).fits:  # the least memory of all: none fits
+        raise RuntimeError(
+            f"nothing fits: {row.candidate.name}, the candidate with the least memory, peaked at "
+            f"{row.record['peak_bytes'] / GIB:.3f} GiB, above 80% of max_memory_per_rank "
+            f"({tune.machine.memory_per_rank / GIB:.3f} GiB); raise max_memory_per_rank, or "
+            "shrink the model or its micro-batch"
+        )
     row.why = "probe (the planner's runtime term is measured here)"
     shape = (
         "no transformer shape"
@@ -310,8 +318,8 @@ def _progress(row: Row, outcome: trials.Outcome) -> str:
 
 def autotune(args, argv: list[str]) -> int:
     """`zrun --autotuning tune|run ...`: tune, write the results, and with `run` start the job
-    with the best config; returns the exit code (1 when the probe trial reports nothing, else
-    tune: 0, run: the job's code).
+    with the best config; returns the exit code (1 when no probe trial reports, or the one
+    that does is over the budget; else tune: 0, run: the job's code).
 
     Raises:
         ValueError, ConfigError: before any trial runs: no config flag in the script's arguments,

@@ -436,3 +436,26 @@ def test_the_config_path_is_found_beside_deepspeeds_switch():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="name no config file"):
         config_flag(["--deepspeed", "--steps", "3"])
+
+
+def test_a_tune_where_even_the_smallest_candidate_does_not_fit_says_so():
+    from types import SimpleNamespace
+
+    from zero.launcher import autotuning
+    from zero.launcher.autotuning.predict import Machine
+
+    block = tuning(max_memory_per_rank="1G")
+    record = {"samples_per_s": 10.0, "step_seconds": 0.1, "peak_bytes": 2**30, "num_params": 1000}
+    tune = SimpleNamespace(
+        tuning=block,
+        raw={"train_micro_batch_size_per_gpu": 1},
+        machine=Machine.here(1, 1, block),
+        run_trial=lambda candidate: autotuning.trials.Outcome(0, dict(record), ""),
+    )
+    space = [Candidate(3, "none", 1, 1), Candidate(3, "none", 4, 1)]
+    # 1 GiB measured against 80% of 1 GiB: the candidate with the least memory does not fit
+    with pytest.raises(RuntimeError, match="nothing fits: z3_none_mbs1, the candidate with"):
+        autotuning.probe(tune, space)
+    record["peak_bytes"] = 2**28
+    rows, facts = autotuning.probe(tune, space)
+    assert rows[-1].candidate.name == "z3_none_mbs1" and facts.num_params == 1000
