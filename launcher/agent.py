@@ -68,6 +68,9 @@ from .rendezvous import node_range, rendezvous_options, succeeded_key
 from .world import parse_nodes
 
 _PR_SET_CHILD_SUBREAPER = 36
+# Where the elastic agent logs, and what, when it ends a rank still running (torch 2.x).
+_ELASTIC_PROCESSES_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_CLOSING_SIGNAL_MESSAGE = "Sending process %s closing signal %s"
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -299,10 +302,18 @@ def _terminate_self() -> None:
 
 def _quiet_elastic_logs(verbose: bool) -> None:
     # The elastic agent logs every closing signal and failure table; zrun prints one line instead.
-    level = logging.INFO if verbose else logging.CRITICAL
+    # Records are still made at WARNING, and dropped: ExitClock reads the closing signals.
+    level = logging.INFO if verbose else logging.WARNING
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
-            logging.getLogger(name).setLevel(level)
+            logger = logging.getLogger(name)
+            logger.setLevel(level)
+            if not verbose:
+                logger.addFilter(_drop)
+
+
+def _drop(_record: logging.LogRecord) -> bool:
+    return False
 
 
 def is_elastic(args: argparse.Namespace) -> bool:
@@ -373,19 +384,23 @@ def report_success(args: argparse.Namespace) -> None:
 
 
 class ExitClock:
-    """When each rank process of this node exited, to the microsecond, and which ranks were
-    stopped at that moment. [Note: the rank that failed first]
+    """When each rank process of this node exited, to the microsecond, which ranks the elastic
+    agent ended itself, and which ranks were stopped at each exit. [Note: the rank that failed
+    first]
 
     The elastic agent stamps failures with a time of 1 s resolution and, once one rank fails,
     sends SIGTERM to the others, so a survivor it ended looks as failed as the rank that died
     (rank 1 SIGKILLed from outside, rank 0 then SIGTERMed by the agent: both within a second).
-    A thread finds the agent's children as they start, in every round of a job with restarts
-    (each round's ranks are new processes); one thread per child waits for its exit with
-    waitid(WEXITED | WNOWAIT), which leaves the process for the elastic agent to reap, and
-    records the moment. The agent only signals survivors after it saw a failure, so the
-    earliest exit is the rank that failed first. A rank whose peer stopped answering (SIGSTOP,
-    a debugger) exits first, naming it ([Note: a rank that stops answering] in
-    engine/comm/liveness.py): so at each exit the other children's state is read too, and
+    The agent logs each closing signal it sends, to a rank still running, before sending it: a
+    logging filter records those pids, and a rank the agent ended never failed first. Among the
+    others the earliest exit failed first (a rank whose collective failed because its peer died
+    exits after that peer). A thread finds the agent's children as they start, in every round
+    of a job with restarts (each round's ranks are new processes); one thread per child waits
+    on a pidfd, which becomes readable when the process exits and stays so once the agent has
+    reaped it (waitid from a second thread lost that race on a loaded machine: the agent reaped
+    the rank first, and its exit had no time), and records the moment. A rank whose peer stopped
+    answering (SIGSTOP, a debugger) exits first, naming it ([Note: a rank that stops answering]
+    in engine/comm/liveness.py): so at each exit the other children's state is read too, and
     those stopped then are named beside the rank that exited."""
 
     # How often the agent's children are listed (psutil scans /proc): at 5 ms it took 20% of a
@@ -395,9 +410,18 @@ class ExitClock:
     def __init__(self, num_ranks: int):
         self.exited: dict[int, float] = {}  # pid -> time.monotonic() at exit
         self.stopped: set[int] = set()  # pids found stopped when another child exited
+        self.ended_by_agent: set[int] = set()  # pids the agent sent a closing signal
         self._num_ranks = num_ranks
         self._children: dict[int, psutil.Process] = {}
+        logging.getLogger(_ELASTIC_PROCESSES_LOGGER).addFilter(self._note_closing_signal)
         threading.Thread(target=self._find_children, daemon=True).start()
+
+    def _note_closing_signal(self, record: logging.LogRecord) -> bool:
+        """A logging filter that passes every record: records the pid of "Sending process %s
+        closing signal %s" (the elastic agent, just before it signals a rank still running)."""
+        if record.msg == _CLOSING_SIGNAL_MESSAGE and record.args:
+            self.ended_by_agent.add(record.args[0])
+        return True
 
     def _find_children(self) -> None:
         me = psutil.Process()
@@ -410,9 +434,13 @@ class ExitClock:
 
     def _wait(self, pid: int) -> None:
         try:
-            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:  # already reaped: its exit time is unknown
+            handle = os.pidfd_open(pid)
+        except ProcessLookupError:  # already reaped: its exit time is unknown
             return
+        try:
+            select.select([handle], [], [])
+        finally:
+            os.close(handle)
         self.exited[pid] = time.monotonic()
         for other, process in list(self._children.items()):
             with contextlib.suppress(psutil.Error):
@@ -450,14 +478,17 @@ def _pending_signals(pid: int) -> int | None:
 
 
 def first_failure(error: ChildFailedError, args: argparse.Namespace, clock=None) -> RankFailure:
-    """The failure to report from a ChildFailedError: the earliest exit on `clock` (an
+    """The failure to report from a ChildFailedError ([Note: the rank that failed first]): a
+    rank the agent did not end itself before one it did, then the earliest exit on `clock` (an
     ExitClock); without a time, the earliest (1 s resolution) timestamp, then a rank that exited
     on its own before one killed by a signal, then the lowest rank."""
     exited = clock.exited if clock is not None else {}
     stopped = clock.stopped if clock is not None else set()
+    ended = clock.ended_by_agent if clock is not None else set()
     rank, failure = min(
         error.failures.items(),
         key=lambda item: (
+            item[1].pid in ended,
             exited.get(item[1].pid, float("inf")),
             item[1].timestamp,
             item[1].exitcode < 0,
@@ -476,9 +507,9 @@ def run_ranks(args: argparse.Namespace, work_dir: str) -> int:
     0 when every rank succeeded; the first failed rank's code (128 + N for a rank killed by
     signal N), after a one-line report on stderr; 128 + N when this agent received signal N.
     """
+    clock = ExitClock(args.nproc_per_node)  # first: its filter must see what the next drops
     _quiet_elastic_logs(args.verbose)
     command = rank_command(args, macros.local_rank)
-    clock = ExitClock(args.nproc_per_node)
     try:
         elastic_launch(_launch_config(args, work_dir), command[0])(*command[1:])
     except ChildFailedError as error:
