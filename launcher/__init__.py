@@ -11,6 +11,7 @@ autotuning/ is `zrun --autotuning tune|run` (docs/tuning.md).
 import dataclasses
 import os
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -79,6 +80,9 @@ def _autotune(args, argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, NotImplementedError) as error:
         print(f"zrun --autotuning: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the running trial was ended with it (trials.run)
+        print("zrun --autotuning: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def check_elastic_flags(args) -> None:

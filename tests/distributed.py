@@ -65,19 +65,22 @@ def _child(fn, rank, world_size, port, args, queue, environ):
     try:
         # Plain pickle copies tensors; the queue's own reducer would share them by file
         # descriptor, which dies with this process.
-        queue.put((rank, True, pickle.dumps(fn(*args))))
+        message = (rank, True, pickle.dumps(fn(*args)))
         ok = True
     except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if os.environ.get(_ABANDONED) == "1":
-            queue.close()
-            queue.join_thread()  # the result is sent
-            os._exit(0)
-        if dist.is_initialized():
-            if ok:
-                dist.barrier()  # no rank closes its sockets while a peer still talks to it
-            dist.destroy_process_group()
+        message = (rank, False, traceback.format_exc())
+    # The whole result is in the pipe before the teardown, which can abort this process
+    # (torch's gloo teardown, rarely): run_ranks, holding the pipe's write end itself, would
+    # wait forever for the rest of a result cut short.
+    queue.put(message)
+    queue.close()
+    queue.join_thread()
+    if os.environ.get(_ABANDONED) == "1":
+        os._exit(0)
+    if dist.is_initialized():
+        if ok:
+            dist.barrier()  # no rank closes its sockets while a peer still talks to it
+        dist.destroy_process_group()
 
 
 def _dead_without_result(procs, results) -> bool:

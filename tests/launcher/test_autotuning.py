@@ -459,3 +459,33 @@ def test_a_tune_where_even_the_smallest_candidate_does_not_fit_says_so():
     record["peak_bytes"] = 2**28
     rows, facts = autotuning.probe(tune, space)
     assert rows[-1].candidate.name == "z3_none_mbs1" and facts.num_params == 1000
+
+
+def test_ctrl_c_ends_the_tune_and_its_trial_without_a_traceback(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import pathlib, time\npathlib.Path('started').touch()\ntime.sleep(600)\n"
+    )
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "autotuning": {}}))
+    tuner = subprocess.Popen(
+        [sys.executable, "-m", "zero.launcher", "--autotuning", "tune", "--num_gpus", "1"]
+        + [str(script), "--config", str(config)],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    tuner.send_signal(signal.SIGINT)  # as Ctrl-C reaches the tuner
+    _, stderr = tuner.communicate(timeout=60)
+    assert tuner.returncode == 128 + signal.SIGINT, stderr
+    assert "Traceback" not in stderr and "zrun --autotuning: interrupted" in stderr, stderr
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(script) in (p.info["cmdline"] or [])]
+    assert not left  # the trial's rank was ended too
