@@ -468,9 +468,7 @@ def test_ctrl_c_ends_the_tune_and_its_trial_without_a_traceback(tmp_path):
     import psutil
 
     script = tmp_path / "hang.py"
-    script.write_text(
-        "import pathlib, time\npathlib.Path('started').touch()\ntime.sleep(600)\n"
-    )
+    script.write_text("import pathlib, time\npathlib.Path('started').touch()\ntime.sleep(600)\n")
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "autotuning": {}}))
     tuner = subprocess.Popen(
