@@ -122,10 +122,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
             try:
                 rank, ok, value = queue.get(timeout=1.0)
             except queue_module.Empty:
-                # A rank may have exited just after queueing its result: look once more.
+                # A rank may have exited just after queueing its result: look once more (its
+                # result is all in the pipe once it exited: _child sends it before anything else).
                 if _dead_without_result(procs, results) or time.monotonic() > deadline:
                     try:
-                        rank, ok, value = queue.get(timeout=5.0)
+                        rank, ok, value = queue.get(timeout=1.0)
                     except queue_module.Empty:
                         _raise_missing(procs, results, timeout)
                 else:
