@@ -435,7 +435,7 @@ class ExitClock:
     def _wait(self, pid: int) -> None:
         try:
             handle = os.pidfd_open(pid)
-        except ProcessLookupError:  # already reaped: its exit time is unknown
+        except OSError:  # already reaped, or no pidfd (Linux < 5.3): its exit time is unknown
             return
         try:
             select.select([handle], [], [])
