@@ -68,7 +68,8 @@ from .rendezvous import node_range, rendezvous_options, succeeded_key
 from .world import parse_nodes
 
 _PR_SET_CHILD_SUBREAPER = 36
-# Where the elastic agent logs, and what, when it ends a rank still running (torch 2.x).
+# Where the elastic agent logs, and what, when it ends a rank still running (torch 2.1 on; where
+# the message differs, ExitClock falls back to exit times).
 _ELASTIC_PROCESSES_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 _CLOSING_SIGNAL_MESSAGE = "Sending process %s closing signal %s"
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -404,7 +405,7 @@ class ExitClock:
     those stopped then are named beside the rank that exited."""
 
     # How often the agent's children are listed (psutil scans /proc): at 5 ms it took 20% of a
-    # core for the whole job. A rank lives far longer than this; exits are timed by waitid.
+    # core for the whole job. A rank lives far longer than this; exits are timed by a waiter.
     _POLL_S = 0.05
 
     def __init__(self, num_ranks: int):
@@ -427,20 +428,19 @@ class ExitClock:
         me = psutil.Process()
         while True:  # a daemon: every round's ranks are new children
             for child in me.children():
-                if child.pid not in self._children:
+                # psutil.Process compares creation times too: a later round's rank may reuse
+                # the pid of an earlier one, whose records are not its own
+                if self._children.get(child.pid) != child:
+                    self.exited.pop(child.pid, None)
+                    self.stopped.discard(child.pid)
+                    self.ended_by_agent.discard(child.pid)
                     self._children[child.pid] = child
                     threading.Thread(target=self._wait, args=(child.pid,), daemon=True).start()
             time.sleep(self._POLL_S)
 
     def _wait(self, pid: int) -> None:
-        try:
-            handle = os.pidfd_open(pid)
-        except OSError:  # already reaped, or no pidfd (Linux < 5.3): its exit time is unknown
-            return
-        try:
-            select.select([handle], [], [])
-        finally:
-            os.close(handle)
+        if not _wait_for_exit(pid):
+            return  # reaped before it was watched: its exit time is unknown
         self.exited[pid] = time.monotonic()
         for other, process in list(self._children.items()):
             with contextlib.suppress(psutil.Error):
@@ -465,6 +465,30 @@ class ExitClock:
                     os.kill(pid, signal.SIGCONT)
                 return
             time.sleep(self._POLL_S)
+
+
+def _wait_for_exit(pid: int) -> bool:
+    """Block until child `pid` has exited, leaving it for the elastic agent to reap; False when
+    it was reaped already. A pidfd stays readable once the process is reaped (waitid from a
+    second thread raced the agent's reap, and lost on a loaded machine); waitid(WNOWAIT) where
+    there is no pidfd (Linux < 5.3, other systems)."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (AttributeError, OSError):
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        return True
+    try:
+        poller = select.poll()  # not select.select: the descriptor may be 1024 or more
+        poller.register(handle, select.POLLIN)
+        poller.poll()
+    finally:
+        os.close(handle)
+    return True
 
 
 def _pending_signals(pid: int) -> int | None:

@@ -282,3 +282,29 @@ def test_a_rank_the_agent_ended_is_never_named_first():
         "named: rank 1 (local_rank 1 on node 0 'localhost') was killed by SIGKILL",
     ], done.stdout + done.stderr
     assert "closing signal" not in done.stderr  # read, and still not printed
+
+
+# The clock runs in a process of its own (see above).
+TIMED_THOUGH_REAPED = """
+import os, resource, subprocess, sys, time
+from zero.launcher.agent import ExitClock
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 2048)), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # a store's sockets, say
+clock = ExitClock(1)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+child.wait()  # reaped the moment it exits, as the elastic agent may
+time.sleep(0.5)
+print("timed:", child.pid in clock.exited)
+"""
+
+
+def test_a_rank_reaped_at_once_still_has_its_exit_time():
+    """[Note: the rank that failed first]: waitid(WNOWAIT) from the clock's thread lost the race
+    to the parent's reap (no time); the pidfd waiter does not, beyond select()'s 1024 fds."""
+    done = subprocess.run(
+        [sys.executable, "-c", TIMED_THOUGH_REAPED], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["timed: True"], done.stdout + done.stderr
