@@ -402,13 +402,17 @@ class ExitClock:
     the rank first, and its exit had no time), and records the moment. A rank whose peer stopped
     answering (SIGSTOP, a debugger) exits first, naming it ([Note: a rank that stops answering]
     in engine/comm/liveness.py): so at each exit the other children's state is read too, and
-    those stopped then are named beside the rank that exited."""
+    those stopped then are named beside the rank that exited. Seeing the closing signals, the
+    clock also holds the agent to --shutdown_timeout ([Note: the grace after a closing signal])
+    and continues a stopped rank once it is ended ([Note: a stopped rank is continued once it
+    is ended])."""
 
     # How often the agent's children are listed (psutil scans /proc): at 5 ms it took 20% of a
     # core for the whole job. A rank lives far longer than this; exits are timed by a waiter.
     _POLL_S = 0.05
 
-    def __init__(self, num_ranks: int):
+    def __init__(self, num_ranks: int, grace_s: float | None = None):
+        self.grace_s = grace_s  # --shutdown_timeout: see _kill_after_grace
         self.exited: dict[int, float] = {}  # pid -> time.monotonic() at exit
         self.stopped: set[int] = set()  # pids found stopped when another child exited
         self.ended_by_agent: set[int] = set()  # pids the agent sent a closing signal
@@ -422,7 +426,25 @@ class ExitClock:
         closing signal %s" (the elastic agent, just before it signals a rank still running)."""
         if record.msg == _CLOSING_SIGNAL_MESSAGE and record.args:
             self.ended_by_agent.add(record.args[0])
+            if self.grace_s is not None:
+                with contextlib.suppress(psutil.Error):
+                    rank = psutil.Process(record.args[0])
+                    threading.Thread(
+                        target=self._kill_after_grace, args=(rank,), daemon=True
+                    ).start()
         return True
+
+    def _kill_after_grace(self, rank: psutil.Process) -> None:
+        """[Note: the grace after a closing signal] When a rank fails (and at each restart) the
+        elastic agent gives the others its own default of 30 s between SIGTERM and SIGKILL,
+        whatever --shutdown_timeout says: only an agent that is itself signalled uses it. So a
+        rank the agent ended that still runs grace_s later is killed here, with its process group
+        (the agent starts each rank as a session of its own), as the agent would."""
+        time.sleep(self.grace_s)
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            # is_running compares creation times: never a later process given the same pid
+            if rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE:
+                os.killpg(rank.pid, signal.SIGKILL)
 
     def _find_children(self) -> None:
         me = psutil.Process()
@@ -531,7 +553,8 @@ def run_ranks(args: argparse.Namespace, work_dir: str) -> int:
     0 when every rank succeeded; the first failed rank's code (128 + N for a rank killed by
     signal N), after a one-line report on stderr; 128 + N when this agent received signal N.
     """
-    clock = ExitClock(args.nproc_per_node)  # first: its filter must see what the next drops
+    # first: its filter must see what the next call drops
+    clock = ExitClock(args.nproc_per_node, args.shutdown_timeout)
     _quiet_elastic_logs(args.verbose)
     command = rank_command(args, macros.local_rank)
     try:

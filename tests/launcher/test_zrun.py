@@ -85,6 +85,28 @@ def test_failed_rank_ends_the_job_with_its_exit_code(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_shutdown_timeout(tmp_path):
+    """[Note: the grace after a closing signal] in launcher/agent.py: torch's agent gave it 30 s
+    after another rank failed, whatever --shutdown_timeout said."""
+    script = write_script(
+        tmp_path,
+        """
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(os.path.join(OUT, "ready" + os.environ["RANK"]), "w").close()
+        if os.environ["RANK"] == "1":
+            sys.exit(7)
+        time.sleep(120)
+        """,
+    )
+    proc = start_zrun(tmp_path, "localhost slots=2\n", script, "--shutdown_timeout", "1")
+    wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
+    _, stderr = proc.communicate(timeout=20)  # 30 s and more before
+    assert proc.returncode == 7, stderr
+    assert "zrun: rank 1 (local_rank 1 on node 0 'localhost') exited with code 7" in stderr
+    assert_nothing_left(str(tmp_path))
+
+
 # Rank 0 waits in a gloo barrier that rank 1 never joins; rank 1 records its pid, then either
 # waits to be killed from outside or raises.
 WAITING_IN_A_COLLECTIVE = """
