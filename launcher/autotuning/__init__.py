@@ -137,13 +137,13 @@ def _without_autotuning(argv: list[str]) -> list[str]:
 
 
 def probe(tune: Tuning, space: list[Candidate]) -> tuple[list[Row], ModelFacts]:
-    """The first trials: the candidates with the least memory (highest stage, smallest
-    micro-batch; with GPU ranks offload first, with CPU ranks, where it saves nothing, last)
+    """The first trials: the candidates with the least memory (smallest micro-batch, then
+    highest stage; with GPU ranks offload first, with CPU ranks, where it saves nothing, last)
     until one reports, at most PROBE_TRIES; returns their rows (the reporting one last) and the
     model facts it reported. Raises RuntimeError naming the logs when none reports (the planner
     has no Psi to work with), and when the one that reports does not fit the budget."""
     cpu = tune.machine.cpu
-    order = sorted(space, key=lambda c: (-c.stage, (c.offload == "none") != cpu, c.micro_batch))
+    order = sorted(space, key=lambda c: (c.micro_batch, -c.stage, (c.offload == "none") != cpu))
     tried = []
     for candidate in order[:PROBE_TRIES]:
         outcome = tune.run_trial(candidate)

@@ -487,3 +487,26 @@ def test_ctrl_c_ends_the_tune_and_its_trial_without_a_traceback(tmp_path):
     assert "Traceback" not in stderr and "zrun --autotuning: interrupted" in stderr, stderr
     left = [p for p in psutil.process_iter(["cmdline"]) if str(script) in (p.info["cmdline"] or [])]
     assert not left  # the trial's rank was ended too
+
+
+def test_a_failed_probe_is_retried_at_the_smallest_micro_batch():
+    """Before, the third try was the same stage at a larger micro-batch: more memory, not less."""
+    from types import SimpleNamespace
+
+    from zero.launcher import autotuning
+    from zero.launcher.autotuning.predict import Machine
+
+    block = tuning()
+    tried = []
+
+    def fails(candidate):
+        tried.append(candidate.name)
+        return autotuning.trials.Outcome(1, None, "RuntimeError: boom")
+
+    tune = SimpleNamespace(tuning=block, raw={}, machine=Machine.here(1, 1, block), run_trial=fails)
+    space = [Candidate(s, o, m, 1) for s in (2, 3) for o in ("none", "cpu") for m in (1, 8)]
+    with pytest.raises(
+        RuntimeError, match="reported nothing; the last: exit code 1: RuntimeError: boom"
+    ):
+        autotuning.probe(tune, space)
+    assert tried == ["z3_none_mbs1", "z3_cpu_mbs1", "z2_none_mbs1"]  # CPU ranks: offload last
