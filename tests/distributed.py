@@ -1,10 +1,11 @@
 """Run a function on N gloo ranks (CPU processes) and collect per-rank results.
 
-Starting a rank from a fresh interpreter costs a few seconds (importing torch, and torch._dynamo
-on the first optimizer), so ranks are forked from a server process that imported those once
-(multiprocessing's forkserver); zero and the test module are still imported fresh by every rank.
-Tests still start a group once and sweep their cases inside it: each group pays for the gloo
-rendezvous and zero's first initialize.
+Starting a rank from a fresh interpreter costs a few seconds (importing torch, torch._dynamo on
+the first optimizer, zero, and transformers where a test uses it), so ranks are forked from a
+server process that imported those once (multiprocessing's forkserver). Importing runs none of
+zero's code that keeps state, so every rank still starts from a fresh zero; the test module is
+imported by every rank. Tests still start a group once and sweep their cases inside it: each
+group pays for the gloo rendezvous and zero's first initialize.
 """
 
 import contextlib
@@ -23,8 +24,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# Imported once by the fork server, before it forks any rank. Not zero: each group imports it.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# Imported once by the fork server, before it forks any rank (a module that is not installed is
+# skipped). Read from the environment at import: nothing of zero's, DS_ENV_FILE only in
+# zero.integrations.deepspeed, which is not among these.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "zero.engine.engine",
+    "transformers.modeling_utils",
+]
 
 
 # Set in a rank by abandon_group().
