@@ -438,19 +438,26 @@ def test_the_config_path_is_found_beside_deepspeeds_switch():
         config_flag(["--deepspeed", "--steps", "3"])
 
 
-def test_a_tune_where_even_the_smallest_candidate_does_not_fit_says_so():
+def fake_tune(block, raw: dict, run_trial):
+    """What probe() reads of a Tuning, on this machine with one CPU rank; run_trial(candidate)
+    gives each trial's Outcome."""
     from types import SimpleNamespace
 
-    from zero.launcher import autotuning
     from zero.launcher.autotuning.predict import Machine
 
-    block = tuning(max_memory_per_rank="1G")
+    return SimpleNamespace(
+        tuning=block, raw=raw, machine=Machine.here(1, 1, block), run_trial=run_trial
+    )
+
+
+def test_a_tune_where_even_the_smallest_candidate_does_not_fit_says_so():
+    from zero.launcher import autotuning
+
     record = {"samples_per_s": 10.0, "step_seconds": 0.1, "peak_bytes": 2**30, "num_params": 1000}
-    tune = SimpleNamespace(
-        tuning=block,
-        raw={"train_micro_batch_size_per_gpu": 1},
-        machine=Machine.here(1, 1, block),
-        run_trial=lambda candidate: autotuning.trials.Outcome(0, dict(record), ""),
+    tune = fake_tune(
+        tuning(max_memory_per_rank="1G"),
+        {"train_micro_batch_size_per_gpu": 1},
+        lambda candidate: autotuning.trials.Outcome(0, dict(record), ""),
     )
     space = [Candidate(3, "none", 1, 1), Candidate(3, "none", 4, 1)]
     # 1 GiB measured against 80% of 1 GiB: the candidate with the least memory does not fit
@@ -491,19 +498,15 @@ def test_ctrl_c_ends_the_tune_and_its_trial_without_a_traceback(tmp_path):
 
 def test_a_failed_probe_is_retried_at_the_smallest_micro_batch():
     """Before, the third try was the same stage at a larger micro-batch: more memory, not less."""
-    from types import SimpleNamespace
-
     from zero.launcher import autotuning
-    from zero.launcher.autotuning.predict import Machine
 
-    block = tuning()
     tried = []
 
     def fails(candidate):
         tried.append(candidate.name)
         return autotuning.trials.Outcome(1, None, "RuntimeError: boom")
 
-    tune = SimpleNamespace(tuning=block, raw={}, machine=Machine.here(1, 1, block), run_trial=fails)
+    tune = fake_tune(tuning(), {}, fails)
     space = [Candidate(s, o, m, 1) for s in (2, 3) for o in ("none", "cpu") for m in (1, 8)]
     with pytest.raises(
         RuntimeError, match="reported nothing; the last: exit code 1: RuntimeError: boom"

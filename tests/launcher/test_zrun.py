@@ -220,8 +220,16 @@ def test_a_stopped_rank_ends_each_round_and_is_named(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
-# An agent's ExitClock watches every child of its process for good, so it runs in a process
-# of its own here, not in pytest's.
+def run_clock_script(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `script` in a Python of its own and assert it exits 0: an agent's ExitClock watches
+    every child of its process for good, so it is never made in pytest's."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 CONTINUED_ONCE_ENDED = """
 import os, signal, subprocess, sys, time
 import psutil
@@ -253,10 +261,7 @@ def test_a_stopped_rank_is_continued_only_once_it_is_ended():
     """[Note: a stopped rank is continued once it is ended] in launcher/agent.py: a SIGTERM
     pending for a stopped rank is delivered (SIGCONT), not waited out for the agent's 30 s
     grace and SIGKILL; before the SIGTERM, the stopped rank is left stopped."""
-    done = subprocess.run(
-        [sys.executable, "-c", CONTINUED_ONCE_ENDED], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_clock_script(CONTINUED_ONCE_ENDED)
     assert done.stdout.splitlines() == [
         "seen stopped: True",
         "still stopped: True",  # nothing pending yet: left as it is
@@ -264,8 +269,7 @@ def test_a_stopped_rank_is_continued_only_once_it_is_ended():
     ], done.stdout + done.stderr
 
 
-# torch's own process context ends a rank as the elastic agent does; the clock runs in a
-# process of its own (see above).
+# torch's own process context ends a rank as the elastic agent does.
 ENDED_BY_THE_AGENT = """
 import argparse, sys, tempfile
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
@@ -295,10 +299,7 @@ print("named:", first_failure(ChildFailedError("train.py", failures), args, cloc
 
 def test_a_rank_the_agent_ended_is_never_named_first():
     """[Note: the rank that failed first] in launcher/agent.py: whatever the exit times say."""
-    done = subprocess.run(
-        [sys.executable, "-c", ENDED_BY_THE_AGENT], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_clock_script(ENDED_BY_THE_AGENT)
     assert done.stdout.splitlines() == [
         "ended by the agent: True",
         "named: rank 1 (local_rank 1 on node 0 'localhost') was killed by SIGKILL",
@@ -306,7 +307,6 @@ def test_a_rank_the_agent_ended_is_never_named_first():
     assert "closing signal" not in done.stderr  # read, and still not printed
 
 
-# The clock runs in a process of its own (see above).
 TIMED_THOUGH_REAPED = """
 import os, resource, subprocess, sys, time
 from zero.launcher.agent import ExitClock
@@ -325,8 +325,5 @@ print("timed:", child.pid in clock.exited)
 def test_a_rank_reaped_at_once_still_has_its_exit_time():
     """[Note: the rank that failed first]: waitid(WNOWAIT) from the clock's thread lost the race
     to the parent's reap (no time); the pidfd waiter does not, beyond select()'s 1024 fds."""
-    done = subprocess.run(
-        [sys.executable, "-c", TIMED_THOUGH_REAPED], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_clock_script(TIMED_THOUGH_REAPED, timeout=60)
     assert done.stdout.splitlines() == ["timed: True"], done.stdout + done.stderr
